@@ -1,0 +1,49 @@
+# The two commands a new user runs: `make demo` and `make test`. Each sets up .venv itself.
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip --disable-pip-version-check
+STAMP_BASE := $(VENV)/.kvstage-base
+STAMP_TEST := $(VENV)/.kvstage-test
+
+.PHONY: demo test lint typecheck pytest sim bench clean system-deps
+
+demo: $(STAMP_BASE)
+	$(VENV)/bin/kvstage demo
+
+test: $(STAMP_TEST) lint typecheck pytest
+
+$(VENV)/bin/python:
+	python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+
+# torch first, pinned, so that pip takes the local CPU wheel and nothing resolves a CUDA build.
+$(STAMP_BASE): pyproject.toml | $(VENV)/bin/python
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e .
+	touch $@
+
+$(STAMP_TEST): pyproject.toml $(STAMP_BASE) | system-deps
+	$(PIP) install -q -e '.[test,mooncake,nixl,plot]'
+	touch $@
+
+# Mooncake's transfer engine loads libibverbs at import time, even for TCP.
+system-deps:
+	@if ! ldconfig -p | grep -q 'libibverbs.so.1'; then \
+		echo "installing libibverbs1 (needed by Mooncake's transfer engine)"; \
+		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+		$$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq libibverbs1; \
+	fi
+
+lint: $(STAMP_TEST)
+	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/ruff format --check src tests benchmarks
+
+typecheck: $(STAMP_TEST)
+	$(VENV)/bin/mypy
+
+pytest: $(STAMP_TEST)
+	$(VENV)/bin/pytest -q
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -1,0 +1,7 @@
+"""kvstage: hands the KV cache from prefill to decode workers across different TP sizes via a staging ring.
+
+Layers, imports pointing down only: cli/engine -> runtime -> transport -> dataplane -> protocol ->
+layout/ring/errors (the pure core). See docs/architecture.md.
+"""
+
+__version__ = "0.1.0"
