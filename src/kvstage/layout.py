@@ -216,17 +216,13 @@ class StagingPlan:
         raise InvalidRequest(f"prefill rank {prefill_rank} writes nothing to decode rank {self.decode_rank}")
 
 
-def plan_staging(
-    layout: KVLayout, prefill_tp: int, decode_tp: int, decode_rank: int, num_tokens: int
-) -> StagingPlan:
+def plan_staging(layout: KVLayout, prefill_tp: int, decode_tp: int, decode_rank: int, num_tokens: int) -> StagingPlan:
     """Ordered writer blocks of one chunk of `num_tokens` tokens destined for `decode_rank`."""
     if not isinstance(num_tokens, int) or num_tokens <= 0:
         raise InvalidRequest(f"num_tokens must be a positive integer, got {num_tokens!r}")
     heads_of_rank(layout.num_kv_heads, decode_tp, decode_rank)  # validates decode_rank
     transfers = [
-        t
-        for t in plan_head_transfers(layout.num_kv_heads, prefill_tp, decode_tp)
-        if t.decode_rank == decode_rank
+        t for t in plan_head_transfers(layout.num_kv_heads, prefill_tp, decode_tp) if t.decode_rank == decode_rank
     ]
     transfers.sort(key=lambda t: t.prefill_rank)
     blocks: list[WriterBlock] = []

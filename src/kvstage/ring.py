@@ -68,9 +68,7 @@ class StagingRing:
         if alignment <= 0:
             raise ValueError(f"alignment must be positive, got {alignment}")
         if capacity_bytes <= 0 or capacity_bytes % alignment:
-            raise ValueError(
-                f"capacity_bytes={capacity_bytes} must be a positive multiple of alignment={alignment}"
-            )
+            raise ValueError(f"capacity_bytes={capacity_bytes} must be a positive multiple of alignment={alignment}")
         self.capacity_bytes = capacity_bytes
         self.alignment = alignment
         self._round = 0
