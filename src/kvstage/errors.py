@@ -46,3 +46,16 @@ class TransportError(KVStageError):
 
 class TransportUnavailable(TransportError):
     """A transport backend whose Python package is not installed; the message names the pip extra."""
+
+
+class KVPoolExhausted(KVStageError):
+    """A KV pool has fewer free pages than a request needs; nothing was allocated."""
+
+    def __init__(self, requested: int, free: int, num_pages: int) -> None:
+        super().__init__(
+            f"KV pool exhausted: {requested} pages requested, {free} of {num_pages} free; "
+            "admit fewer requests or configure more pages"
+        )
+        self.requested = requested
+        self.free = free
+        self.num_pages = num_pages

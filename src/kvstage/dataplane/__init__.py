@@ -1,0 +1,37 @@
+"""Moving KV bytes: paged KV pools, staged gather/scatter, and the direct per-slice baseline (torch).
+
+Owns the tensors; the arithmetic they follow (head mapping, block offsets, chunk grid) lives in `kvstage.layout`.
+The same code runs on CPU and CUDA. Called by the runtime agents, the reference engine, the simulator, the demo
+and the benchmarks.
+"""
+
+from kvstage.dataplane.direct import SliceCopy, copy_direct, plan_direct_slices, transfer_direct
+from kvstage.dataplane.pool import TORCH_DTYPES, KVPool, PageAllocator, PoolGeometry, torch_dtype
+from kvstage.dataplane.stage import (
+    StagingBuffer,
+    block_bytes,
+    gather,
+    gather_block,
+    scatter,
+    scatter_block,
+    scatter_region,
+)
+
+__all__ = [
+    "TORCH_DTYPES",
+    "KVPool",
+    "PageAllocator",
+    "PoolGeometry",
+    "SliceCopy",
+    "StagingBuffer",
+    "block_bytes",
+    "copy_direct",
+    "gather",
+    "gather_block",
+    "plan_direct_slices",
+    "scatter",
+    "scatter_block",
+    "scatter_region",
+    "torch_dtype",
+    "transfer_direct",
+]

@@ -1,0 +1,263 @@
+"""A rank's paged KV pool: its storage, its byte geometry and its page allocator.
+
+Owns:
+- `PoolGeometry`: the byte layout of one rank's pool, `[K|V, layer, slot, head, head_dim]`, and the byte offset
+  of any (kv, layer, slot, head) in it. Pure arithmetic, so a remote peer can compute addresses without the tensor.
+- `PageAllocator`: hands out page ids, counts pages in use, refuses double and foreign frees, reports leaks.
+- `KVPool`: one flat `uint8` tensor holding every layer's K and V (transports register `flat` as a memory
+  region), typed and integer views of it, and the validated mapping from a request's pages to slot indices.
+
+Invariants: storage is a single contiguous allocation, `[2, num_layers, num_slots, num_heads, head_dim]`
+row-major, with slot = page * page_size + position in page; a page id is either free or held by exactly one
+owner; `slot_indices` only ever returns slots of pages that are currently allocated, distinct, and inside the pool.
+
+Called by dataplane.stage (gather/scatter), dataplane.direct (per-slice path), the reference engine and the
+runtime agents (which also allocate and free pages per request).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvstage.errors import InvalidRequest, KVPoolExhausted
+from kvstage.layout import KVLayout, heads_of_rank
+
+#: torch dtype of each KVLayout dtype name.
+TORCH_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
+}
+
+#: Integer dtype of each word width, for bit-preserving copies.
+WORD_DTYPES: dict[int, torch.dtype] = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+Pages = Sequence[int] | torch.Tensor
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a `KVLayout.dtype` name."""
+    return TORCH_DTYPES[name]
+
+
+@dataclass(frozen=True, slots=True)
+class PoolGeometry:
+    """Byte layout of one rank's KV pool: `[2 (K, V), num_layers, num_slots, num_heads, head_dim]`, row-major."""
+
+    layout: KVLayout
+    num_heads: int
+    num_pages: int
+
+    def __post_init__(self) -> None:
+        for name in ("num_heads", "num_pages"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise InvalidRequest(f"{name} must be a positive integer, got {value!r}")
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_pages * self.layout.page_size
+
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes of one slot (token) of one layer, K or V, over this rank's heads."""
+        return self.num_heads * self.layout.head_bytes
+
+    @property
+    def layer_bytes(self) -> int:
+        """Bytes of one layer's K (or V) over all slots."""
+        return self.num_slots * self.slot_bytes
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.layout.num_layers * self.layer_bytes
+
+    @property
+    def shape(self) -> tuple[int, int, int, int, int]:
+        return (2, self.layout.num_layers, self.num_slots, self.num_heads, self.layout.head_dim)
+
+    def byte_offset(self, kv: int, layer: int, slot: int, head: int = 0) -> int:
+        """Byte offset of K (kv=0) or V (kv=1) of `layer`, `slot`, local `head` in the flat storage."""
+        for name, value, bound in (
+            ("kv", kv, 2),
+            ("layer", layer, self.layout.num_layers),
+            ("slot", slot, self.num_slots),
+            ("head", head, self.num_heads),
+        ):
+            if not 0 <= value < bound:
+                raise InvalidRequest(f"{name}={value} is outside 0..{bound - 1}")
+        return (
+            (kv * self.layout.num_layers + layer) * self.layer_bytes
+            + slot * self.slot_bytes
+            + head * (self.layout.head_bytes)
+        )
+
+    def check_heads(self, head_start: int, num_heads: int) -> None:
+        """`InvalidRequest` unless local heads `[head_start, head_start + num_heads)` exist in this pool."""
+        if num_heads <= 0 or head_start < 0 or head_start + num_heads > self.num_heads:
+            raise InvalidRequest(
+                f"head range [{head_start}, {head_start + num_heads}) is outside this pool's "
+                f"{self.num_heads} local heads"
+            )
+
+    def used_pages(self, pages: Pages, token_start: int, token_end: int) -> torch.Tensor:
+        """The pages (CPU int64) holding tokens `[token_start, token_end)` of a request whose pages are `pages`.
+
+        Checks the token range, that the request has enough pages, and that every used page is inside the pool
+        and appears once.
+        """
+        page_list = torch.as_tensor(pages, dtype=torch.int64, device="cpu")
+        if page_list.dim() != 1:
+            raise InvalidRequest(f"pages must be one-dimensional, got shape {tuple(page_list.shape)}")
+        if not 0 <= token_start < token_end:
+            raise InvalidRequest(f"token range [{token_start}, {token_end}) is empty or negative")
+        page_size = self.layout.page_size
+        first, last = token_start // page_size, -(-token_end // page_size)
+        if last > page_list.numel():
+            raise InvalidRequest(
+                f"tokens up to {token_end} need {last} pages of {page_size} tokens, the request has {page_list.numel()}"
+            )
+        used = page_list[first:last]
+        outside = used[(used < 0) | (used >= self.num_pages)]
+        if outside.numel():
+            raise InvalidRequest(f"pages {outside.tolist()} are outside this pool's 0..{self.num_pages - 1}")
+        if torch.unique(used).numel() != used.numel():
+            raise InvalidRequest(f"pages {used.tolist()} repeat a page; a request's pages must be distinct")
+        return used
+
+
+class PageAllocator:
+    """Free-list allocator of page ids `0..num_pages-1`; each held page has one owner.
+
+    Freed pages go to the back of the free list and allocation takes from the front, so allocation order is a
+    deterministic function of the allocate/free history.
+    """
+
+    def __init__(self, num_pages: int) -> None:
+        if num_pages <= 0:
+            raise InvalidRequest(f"num_pages must be positive, got {num_pages}")
+        self.num_pages = num_pages
+        self._free: deque[int] = deque(range(num_pages))
+        self._owners: dict[int, Hashable] = {}
+        self._held = torch.zeros(num_pages, dtype=torch.bool)
+
+    @property
+    def in_use(self) -> int:
+        """Number of pages currently held."""
+        return len(self._owners)
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self, count: int, owner: Hashable = None) -> list[int]:
+        """Take `count` pages for `owner`; `KVPoolExhausted` (and nothing taken) if fewer are free."""
+        if count < 0:
+            raise InvalidRequest(f"page count must be non-negative, got {count}")
+        if count > len(self._free):
+            raise KVPoolExhausted(count, len(self._free), self.num_pages)
+        pages = [self._free.popleft() for _ in range(count)]
+        for page in pages:
+            self._owners[page] = owner
+        self._held[pages] = True
+        return pages
+
+    def free(self, pages: Sequence[int]) -> None:
+        """Return `pages`; `InvalidRequest` (and nothing freed) for a page that is foreign, free, or repeated."""
+        page_list = [int(page) for page in pages]
+        foreign = [page for page in page_list if not 0 <= page < self.num_pages]
+        if foreign:
+            raise InvalidRequest(f"pages {foreign} do not belong to this pool of {self.num_pages} pages")
+        not_held = [page for page in page_list if page not in self._owners]
+        if not_held or len(set(page_list)) != len(page_list):
+            raise InvalidRequest(f"double free: pages {not_held or page_list} are not all held exactly once")
+        for page in page_list:
+            del self._owners[page]
+        self._held[page_list] = False
+        self._free.extend(page_list)
+
+    def owner_of(self, page: int) -> Hashable:
+        """The owner of a held page; `InvalidRequest` if the page is free."""
+        if page not in self._owners:
+            raise InvalidRequest(f"page {page} is not allocated")
+        return self._owners[page]
+
+    def leaked(self) -> dict[Hashable, tuple[int, ...]]:
+        """Pages still held, by owner; empty when every page has been returned."""
+        by_owner: dict[Hashable, list[int]] = {}
+        for page, owner in self._owners.items():
+            by_owner.setdefault(owner, []).append(page)
+        return {owner: tuple(sorted(pages)) for owner, pages in by_owner.items()}
+
+    def check_held(self, pages: torch.Tensor) -> None:
+        """`InvalidRequest` unless every page of the CPU int64 tensor `pages` is allocated (vectorised)."""
+        free = pages[~self._held[pages]]
+        if free.numel():
+            raise InvalidRequest(f"pages {free.tolist()} are not allocated; KV must not touch freed pages")
+
+
+class KVPool:
+    """One rank's paged KV cache: every layer's K and V in one flat byte tensor, plus its page allocator."""
+
+    def __init__(self, layout: KVLayout, num_heads: int, num_pages: int, device: str | torch.device = "cpu") -> None:
+        self.geometry = PoolGeometry(layout, num_heads, num_pages)
+        self.allocator = PageAllocator(num_pages)
+        self._flat = torch.zeros(self.geometry.nbytes, dtype=torch.uint8, device=torch.device(device))
+        self.device = self._flat.device  # normalised: "cuda" becomes "cuda:0", so device checks compare equal
+
+    @classmethod
+    def for_rank(
+        cls, layout: KVLayout, tp_size: int, rank: int, num_pages: int, device: str | torch.device = "cpu"
+    ) -> KVPool:
+        """The pool of TP `rank`, holding `len(heads_of_rank(...))` local heads."""
+        return cls(layout, len(heads_of_rank(layout.num_kv_heads, tp_size, rank)), num_pages, device)
+
+    @property
+    def layout(self) -> KVLayout:
+        return self.geometry.layout
+
+    @property
+    def num_heads(self) -> int:
+        return self.geometry.num_heads
+
+    @property
+    def flat(self) -> torch.Tensor:
+        """The whole storage as one contiguous 1-D `uint8` tensor (the memory region transports register)."""
+        return self._flat
+
+    @property
+    def kv(self) -> torch.Tensor:
+        """Typed view `[2, num_layers, num_slots, num_heads, head_dim]`; index 0 is K, 1 is V."""
+        return self._flat.view(torch_dtype(self.layout.dtype)).view(self.geometry.shape)
+
+    def k(self, layer: int) -> torch.Tensor:
+        """K of `layer`: `[num_slots, num_heads, head_dim]`."""
+        return self.kv[0, layer]
+
+    def v(self, layer: int) -> torch.Tensor:
+        """V of `layer`: `[num_slots, num_heads, head_dim]`."""
+        return self.kv[1, layer]
+
+    def words(self, word_bytes: int) -> torch.Tensor:
+        """Integer view `[2, num_layers, num_slots, num_heads, head_bytes // word_bytes]` for bit-exact copies."""
+        shape = (*self.geometry.shape[:4], self.layout.head_bytes // word_bytes)
+        return self._flat.view(WORD_DTYPES[word_bytes]).view(shape)
+
+    def slot_indices(self, pages: Pages, token_start: int, token_end: int) -> torch.Tensor:
+        """Slots (int64, on the pool's device) of tokens `[token_start, token_end)` of a request's `pages`.
+
+        Every used page must be inside the pool, distinct and currently allocated. Vectorised: no loop per token.
+        """
+        used = self.geometry.used_pages(pages, token_start, token_end)
+        self.allocator.check_held(used)
+        page_size = self.layout.page_size
+        used = used.to(self.device)  # one id per page crosses to the device; slots are computed there
+        slots = (used.view(-1, 1) * page_size + torch.arange(page_size, device=self.device)).view(-1)
+        first = token_start % page_size  # used[0] is the page holding token_start
+        return slots[first : first + token_end - token_start]
