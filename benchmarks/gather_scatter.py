@@ -4,6 +4,7 @@ Measures, on one device (CUDA when present, else CPU), for one writer block of a
 - `copy`: a contiguous device copy of the block's bytes (the ceiling for moving those bytes once);
 - `gather`: kvstage's vectorised gather from random non-contiguous pages into a staging block;
 - `scatter`: kvstage's vectorised scatter of that block back into random pages;
+- `gather-cached` / `scatter-cached`: the same with the request's slot indices validated once and reused;
 - `per-layer`: a naive gather with one `index_select` per layer and K/V over a strided head slice.
 Reports GB/s (block bytes, one way) and each path's ratio to `copy`. Ratios, not absolute times, are the result:
 the machines are shared. Usage: `python benchmarks/gather_scatter.py [--tokens 4096] [--device cuda]`.
@@ -19,8 +20,10 @@ from collections.abc import Callable
 
 import torch
 
-from kvstage.dataplane import KVPool, StagingBuffer, gather, scatter
+from kvstage.dataplane import KVPool, StagingBuffer, gather, gather_slots, scatter, scatter_slots
 from kvstage.layout import KVLayout, heads_of_rank, plan_staging
+
+PATHS = ("copy", "gather", "scatter", "gather-cached", "scatter-cached", "per-layer")
 
 
 def _timer(device: torch.device, fn: Callable[[], object], repeats: int) -> float:
@@ -61,6 +64,9 @@ def run(tokens: int, page_size: int, device: torch.device, repeats: int) -> dict
     spare = torch.empty_like(staging[: block.nbytes])
     heads = slice(block.transfer.src_head_start, block.transfer.src_head_start + block.transfer.num_heads)
     slots = src.slot_indices(src_pages, 0, tokens)
+    dst_slots = dst.slot_indices(dst_pages, 0, tokens)
+    src_heads = (block.transfer.src_head_start, block.transfer.num_heads)
+    dst_heads = (block.transfer.dst_head_start, block.transfer.num_heads)
 
     def per_layer() -> None:
         shape = (2, layout.num_layers, tokens, block.transfer.num_heads, layout.head_dim)
@@ -77,12 +83,14 @@ def run(tokens: int, page_size: int, device: torch.device, repeats: int) -> dict
         "scatter": lambda: scatter(
             staging, block.offset, dst, dst_pages, 0, tokens, block.transfer.dst_head_start, block.transfer.num_heads
         ),
+        "gather-cached": lambda: gather_slots(src, slots, *src_heads, staging, block.offset),
+        "scatter-cached": lambda: scatter_slots(staging, block.offset, dst, dst_slots, *dst_heads),
         "per-layer": per_layer,
     }
     assert len(heads_of_rank(8, prefill_tp, block.prefill_rank)) == 2
     seconds = {name: _timer(device, fn, repeats) for name, fn in paths.items()}
     result = {f"{name}_gbps": block.nbytes / s / 1e9 for name, s in seconds.items()}
-    for name in ("gather", "scatter", "per-layer"):
+    for name in PATHS[1:]:
         result[f"{name}_over_copy"] = seconds["copy"] / seconds[name]
     result["block_bytes"] = float(block.nbytes)
     return result
@@ -100,9 +108,9 @@ def main() -> None:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     mib = result["block_bytes"] / 2**20
     print(f"device={name} tokens={args.tokens} page_size={args.page_size} block={mib:.0f} MiB")
-    for path in ("copy", "gather", "scatter", "per-layer"):
+    for path in PATHS:
         ratio = "" if path == "copy" else f"  {result[f'{path}_over_copy']:.2f}x copy"
-        print(f"{path:>10}: {result[f'{path}_gbps']:8.1f} GB/s{ratio}")
+        print(f"{path:>14}: {result[f'{path}_gbps']:8.1f} GB/s{ratio}")
     print(json.dumps(result))
 
 

@@ -12,9 +12,11 @@ from kvstage.dataplane.stage import (
     block_bytes,
     gather,
     gather_block,
+    gather_slots,
     scatter,
     scatter_block,
     scatter_region,
+    scatter_slots,
 )
 
 __all__ = [
@@ -28,10 +30,12 @@ __all__ = [
     "copy_direct",
     "gather",
     "gather_block",
+    "gather_slots",
     "plan_direct_slices",
     "scatter",
     "scatter_block",
     "scatter_region",
+    "scatter_slots",
     "torch_dtype",
     "transfer_direct",
 ]

@@ -10,7 +10,8 @@ Block layout (see docs/layout.md): `[K layer 0..L-1 | V layer 0..L-1]`, each lay
 Invariants: copies go through an integer view of the bytes (the widest word that divides the head size and the
 block's address), so every bit pattern survives, NaN payloads and -0.0 included, in fp32, bf16, fp16 and fp8.
 Each copy is a single torch op over all layers and both K and V (`index_select` / `index_copy_` over slot
-indices): no Python loop per token, page or layer; the same code runs on CPU and CUDA. Bounds are checked
+indices): no Python loop per token, page or layer; the same code runs on CPU and CUDA. (A fused Triton kernel
+was measured on an H200 and was slower than `index_select`; see docs/benchmarks.md.) Bounds are checked
 before anything is written.
 
 Called by the prefill agent (gather into local staging before the bulk write), the decode agent (scatter after
@@ -92,7 +93,21 @@ def gather(
     `pages` are the request's page ids in token order. Returns the bytes written.
     """
     pool.geometry.check_heads(head_start, num_heads)
-    slots = pool.slot_indices(pages, token_start, token_end)
+    return gather_slots(pool, pool.slot_indices(pages, token_start, token_end), head_start, num_heads, staging, offset)
+
+
+def gather_slots(
+    pool: KVPool,
+    slots: torch.Tensor,
+    head_start: int,
+    num_heads: int,
+    staging: torch.Tensor,
+    offset: int,
+) -> int:
+    """`gather` for slots already returned by `pool.slot_indices`: one kernel, no page validation.
+
+    For hot paths that validate a request's pages once and reuse its slot indices for every chunk.
+    """
     src, block = _views(pool, staging, offset, slots.numel(), head_start, num_heads)
     torch.index_select(src, 2, slots, out=block)
     return block.numel() * block.element_size()
@@ -113,14 +128,18 @@ def scatter(
     The inverse of `gather`. Returns the bytes read.
     """
     pool.geometry.check_heads(head_start, num_heads)
-    return _scatter_slots(
-        staging, offset, pool, pool.slot_indices(pages, token_start, token_end), head_start, num_heads
-    )
+    return scatter_slots(staging, offset, pool, pool.slot_indices(pages, token_start, token_end), head_start, num_heads)
 
 
-def _scatter_slots(
-    staging: torch.Tensor, offset: int, pool: KVPool, slots: torch.Tensor, head_start: int, num_heads: int
+def scatter_slots(
+    staging: torch.Tensor,
+    offset: int,
+    pool: KVPool,
+    slots: torch.Tensor,
+    head_start: int,
+    num_heads: int,
 ) -> int:
+    """`scatter` for slots already returned by `pool.slot_indices`: one kernel, no page validation."""
     dst, block = _views(pool, staging, offset, slots.numel(), head_start, num_heads)
     dst.index_copy_(2, slots, block)
     return block.numel() * block.element_size()
@@ -189,6 +208,6 @@ def scatter_region(
     _region(staging, region_offset, plan.total_bytes, pool.device)
     slots = pool.slot_indices(pages, chunk.start, chunk.end)
     return sum(
-        _scatter_slots(staging, region_offset + b.offset, pool, slots, b.transfer.dst_head_start, b.transfer.num_heads)
+        scatter_slots(staging, region_offset + b.offset, pool, slots, b.transfer.dst_head_start, b.transfer.num_heads)
         for b in plan.blocks
     )
