@@ -1,0 +1,410 @@
+"""The data-transport interface: one-sided bulk writes from a prefill writer into a decode reader's memory.
+
+Owns: the `DataTransport` base class every backend (local, mooncake, nixl) implements, the handle types it hands
+out (`LocalRegion`, `RemoteRegion`), the wire form of a region (`RegionDescriptor`), the completion record
+(`Completion`), and the bookkeeping every backend shares: transfer ids, bounds checks, operation counts and the
+queue of completions.
+
+Primitives, and who calls each (the runtime agents own one transport per rank and call it from one I/O thread;
+every method is nonetheless safe to call from any thread):
+
+| primitive                                   | side    | called by                                          |
+|---------------------------------------------|---------|----------------------------------------------------|
+| `allocate(nbytes) -> LocalRegion`           | both    | decode: staging ring and KV pool; prefill: staging |
+| `register(tensor) -> LocalRegion`           | both    | to expose memory the caller already owns           |
+| `register_address(addr, n) -> LocalRegion`  | both    | the same, for memory known only by address         |
+| `export(region) -> RegionDescriptor`        | reader  | decode, when it registers its ring with writers    |
+| `import_remote(desc) -> RemoteRegion`       | writer  | prefill, on receiving a decode rank's descriptor   |
+| `write(src, src_off, dst, dst_off, n)`      | writer  | prefill, one bulk write per (chunk, decode rank)   |
+| `write_batch(src, dst, [(s, d, n), ...])`   | writer  | the per-slice baseline: one op per slice, batched  |
+| `poll() -> list[Completion]`                | writer  | prefill I/O thread, every loop turn                |
+| `forget_remote(remote)` / `unregister(r)`   | both    | when a peer session ends / a region is retired     |
+| `close()`                                   | both    | agent shutdown                                     |
+
+Writes are one-sided: the reader never learns from the transport that bytes landed. The writer learns it from a
+`Completion` and tells the reader over the control plane (ChunkReady).
+
+Invariants:
+- every transfer id returned by `write`/`write_batch` appears in exactly one `Completion` from `poll`;
+- a transport error never raises out of `write`, `write_batch` or `poll`: it becomes `Completion(ok=False,
+  reason=...)`. A write outside either region, or through an unknown or forgotten handle, fails this way before
+  any byte moves; a write to a dead, closed or unreachable peer fails as soon as the backend notices. Only misuse
+  of the API itself raises (negative offsets, an empty batch, a call after `close`);
+- `ops_issued` counts transfer operations handed to the backend: 1 per `write`, `len(slices)` per
+  `write_batch`. The bench reports it as "transfer operations per request";
+- a descriptor decoded from the wire is bounded (`MAX_DESCRIPTOR_PAYLOAD`) before anything is allocated for it;
+- registered regions of one transport must not overlap (Mooncake refuses overlapping registrations).
+
+A backend whose Python package is missing raises `kvstage.errors.TransportUnavailable` from its constructor,
+naming the pip extra. Backends subclass `DataTransport` and implement the `_`-prefixed hooks only.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import os
+import threading
+import uuid
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import msgspec
+import torch
+
+from kvstage.errors import ConfigError, ProtocolError, TransportError
+
+MAX_DESCRIPTOR_PAYLOAD = 1 << 20
+"""Upper bound, in bytes, of a descriptor's backend payload accepted from the wire (NIXL metadata is the largest)."""
+
+MAX_NAME_LEN = 256
+"""Upper bound of an agent name accepted from the wire."""
+
+BACKENDS = ("local", "mooncake", "nixl")
+
+
+@dataclass(frozen=True, slots=True)
+class TransportConfig:
+    """How to build a data transport; `create_transport(config)` turns it into a backend instance.
+
+    `name` identifies this agent to its peers and must be unique per process session (default: a fresh one).
+    `host` is the address peers use to reach this agent (mooncake, nixl). The `mooncake_*` fields select
+    Mooncake's transport ("tcp" by default, "rdma" with `mooncake_device`, e.g. "mlx5_0") and metadata service
+    ("P2PHANDSHAKE": no central service). `nixl_backend` names the NIXL backend plugin; `nixl_rdma=False` keeps
+    UCX off its InfiniBand modules (see `kvstage.transport.data.nixl`). `shm_dir` is where the
+    local backend puts its shared-memory segments. `write_timeout_s` bounds a NIXL write that makes no
+    progress (Mooncake applies its own engine timeout, `MC_TRANSFER_TIMEOUT`, 30 s by default).
+    """
+
+    backend: str = "local"
+    name: str = field(default_factory=lambda: f"kvs-{os.getpid()}-{uuid.uuid4().hex[:12]}")
+    host: str = "127.0.0.1"
+    mooncake_protocol: str = "tcp"
+    mooncake_device: str = ""
+    mooncake_metadata_server: str = "P2PHANDSHAKE"
+    nixl_backend: str = "UCX"
+    nixl_rdma: bool = False
+    shm_dir: str = "/dev/shm"
+    write_timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ConfigError(f"unknown transport backend {self.backend!r}; choose one of {', '.join(BACKENDS)}")
+        if not self.name or len(self.name) > MAX_NAME_LEN:
+            raise ConfigError(f"transport name must be 1..{MAX_NAME_LEN} characters, got {len(self.name)}")
+        if self.mooncake_protocol not in ("tcp", "rdma"):
+            raise ConfigError(f"mooncake_protocol must be 'tcp' or 'rdma', got {self.mooncake_protocol!r}")
+        if self.write_timeout_s <= 0:
+            raise ConfigError(f"write_timeout_s must be positive, got {self.write_timeout_s}")
+
+
+class RegionDescriptor(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Serialisable description of a registered region, sent by the reader to its writers.
+
+    `owner` is the exporting agent's name, `region_id` its local id for the region, `nbytes` its size, and
+    `payload` whatever the backend needs to reach it (segment name, session and address, NIXL metadata).
+    """
+
+    backend: str
+    owner: str
+    region_id: int
+    nbytes: int
+    payload: bytes
+
+
+_DESCRIPTOR_ENCODER = msgspec.msgpack.Encoder()
+_DESCRIPTOR_DECODER = msgspec.msgpack.Decoder(RegionDescriptor)
+
+
+def encode_descriptor(descriptor: RegionDescriptor) -> bytes:
+    """Msgpack bytes of `descriptor`, for embedding in a control message or bootstrap record."""
+    return _DESCRIPTOR_ENCODER.encode(descriptor)
+
+
+def decode_descriptor(data: bytes) -> RegionDescriptor:
+    """Decode and bound-check a descriptor from the wire; raises `ProtocolError` if it is malformed or too big."""
+    if len(data) > MAX_DESCRIPTOR_PAYLOAD + 4096:
+        raise ProtocolError(f"region descriptor of {len(data)} bytes exceeds the limit {MAX_DESCRIPTOR_PAYLOAD}")
+    try:
+        descriptor = _DESCRIPTOR_DECODER.decode(data)
+    except msgspec.DecodeError as err:
+        raise ProtocolError(f"malformed region descriptor: {err}") from err
+    check_descriptor(descriptor)
+    return descriptor
+
+
+def check_descriptor(descriptor: RegionDescriptor) -> None:
+    """Raise `ProtocolError` unless every field of `descriptor` is within bounds."""
+    if descriptor.backend not in BACKENDS:
+        raise ProtocolError(f"region descriptor names unknown backend {descriptor.backend!r}")
+    if not 0 < len(descriptor.owner) <= MAX_NAME_LEN:
+        raise ProtocolError(f"region descriptor owner name length {len(descriptor.owner)} out of range")
+    if descriptor.region_id < 0 or descriptor.nbytes <= 0:
+        raise ProtocolError(f"region descriptor has region_id={descriptor.region_id} nbytes={descriptor.nbytes}")
+    if len(descriptor.payload) > MAX_DESCRIPTOR_PAYLOAD:
+        raise ProtocolError(f"region descriptor payload of {len(descriptor.payload)} bytes exceeds the limit")
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class LocalRegion:
+    """A registered local region: `tensor` is a flat uint8 CPU view of exactly its bytes."""
+
+    region_id: int
+    tensor: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.tensor.numel())
+
+    @property
+    def address(self) -> int:
+        return int(self.tensor.data_ptr())
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteRegion:
+    """A peer's region imported from its descriptor; `key` is this transport's handle for the import."""
+
+    key: int
+    owner: str
+    region_id: int
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    """Outcome of one transfer id: `ok`, or a failure with a human-readable `reason`; `ops` operations it held."""
+
+    transfer_id: int
+    ok: bool
+    reason: str
+    ops: int
+
+
+Slice = tuple[int, int, int]
+"""(local_offset, remote_offset, length) of one write within a (LocalRegion, RemoteRegion) pair."""
+
+
+class DataTransport(ABC):
+    """Base of every data backend. Public methods are final; backends implement the `_` hooks.
+
+    Hooks run with the transport's lock held, and must not block for long:
+    - `_register(tensor, region_id)`: make `tensor` usable as a source or target (pin, register with the NIC);
+    - `_allocate(nbytes, region_id) -> tensor`: memory a peer can write into (default: a fresh tensor);
+    - `_unregister(region)`, `_export_payload(region) -> bytes`, `_import(desc, key)`, `_forget(remote)`;
+    - `_submit(transfer_id, src, dst, slices) -> str`: start the writes; return "" or a failure reason;
+    - `_progress() -> list[Completion]`: completions of submitted transfers since the last call;
+    - `_close()`: release backend resources.
+    """
+
+    backend: ClassVar[str]
+
+    def __init__(self, config: TransportConfig) -> None:
+        self.config = config
+        self.name = config.name
+        self._lock = threading.RLock()
+        self._ids = itertools.count(1)
+        self._regions: dict[int, LocalRegion] = {}
+        self._remotes: dict[int, RemoteRegion] = {}
+        self._ready: list[Completion] = []
+        self._in_flight: set[int] = set()
+        self._ops_issued = 0
+        self._closed = False
+
+    # ---- memory -------------------------------------------------------------------------------------------
+    def allocate(self, nbytes: int) -> LocalRegion:
+        """Allocate and register `nbytes` of zeroed memory that peers can write into (ring, KV pool)."""
+        if nbytes <= 0:
+            raise ValueError(f"allocate needs a positive size, got {nbytes}")
+        with self._lock:
+            self._check_open()
+            region_id = next(self._ids)
+            region = LocalRegion(region_id, self._allocate(nbytes, region_id))
+            self._regions[region_id] = region
+            return region
+
+    def register(self, tensor: torch.Tensor) -> LocalRegion:
+        """Register caller-owned memory (a contiguous CPU tensor, viewed as bytes) and return its handle.
+
+        The caller keeps `tensor` alive until `unregister`. The local backend can export only memory from
+        `allocate`; a registered tensor can always be a write source.
+        """
+        flat = _as_bytes(tensor)
+        with self._lock:
+            self._check_open()
+            region_id = next(self._ids)
+            region = LocalRegion(region_id, flat)
+            self._register(region)
+            self._regions[region_id] = region
+            return region
+
+    def register_address(self, address: int, nbytes: int) -> LocalRegion:
+        """Register raw CPU memory `[address, address + nbytes)` from another allocator; the caller keeps it alive
+        and mapped until `unregister`. Same rules as `register`."""
+        if address <= 0 or nbytes <= 0:
+            raise ValueError(f"register_address needs a positive address and size, got {address:#x}, {nbytes}")
+        view = (ctypes.c_uint8 * nbytes).from_address(address)
+        return self.register(torch.frombuffer(view, dtype=torch.uint8))
+
+    def unregister(self, region: LocalRegion) -> None:
+        """Retire a region: later writes from it fail; idempotent. Writes still in flight are not cancelled."""
+        with self._lock:
+            if self._regions.pop(region.region_id, None) is not None:
+                self._unregister(region)
+
+    # ---- descriptors ---------------------------------------------------------------------------------------
+    def export(self, region: LocalRegion) -> RegionDescriptor:
+        """Descriptor of a registered region, for the peers that will write into it."""
+        with self._lock:
+            self._check_open()
+            self._known_region(region)
+            payload = self._export_payload(region)
+            return RegionDescriptor(self.backend, self.name, region.region_id, region.nbytes, payload)
+
+    def import_remote(self, descriptor: RegionDescriptor) -> RemoteRegion:
+        """Handle for a peer's region; raises `TransportError` if the peer cannot be reached or parsed."""
+        check_descriptor(descriptor)
+        if descriptor.backend != self.backend:
+            raise TransportError(f"descriptor is for backend {descriptor.backend!r}, this is {self.backend!r}")
+        with self._lock:
+            self._check_open()
+            remote = RemoteRegion(next(self._ids), descriptor.owner, descriptor.region_id, descriptor.nbytes)
+            self._import(descriptor, remote)
+            self._remotes[remote.key] = remote
+            return remote
+
+    def forget_remote(self, remote: RemoteRegion) -> None:
+        """Drop an imported region (peer session ended); later writes to it fail. Idempotent."""
+        with self._lock:
+            if self._remotes.pop(remote.key, None) is not None:
+                self._forget(remote)
+
+    # ---- writes --------------------------------------------------------------------------------------------
+    def write(self, src: LocalRegion, src_offset: int, dst: RemoteRegion, dst_offset: int, length: int) -> int:
+        """Start one write of `src[src_offset:+length]` into `dst[dst_offset:+length]`; returns its transfer id."""
+        return self.write_batch(src, dst, ((src_offset, dst_offset, length),))
+
+    def write_batch(self, src: LocalRegion, dst: RemoteRegion, slices: Sequence[Slice]) -> int:
+        """Start one write per slice between one region pair; one transfer id completes when all have landed."""
+        if not slices:
+            raise ValueError("write_batch needs at least one slice")
+        for s_off, d_off, length in slices:
+            if length <= 0 or s_off < 0 or d_off < 0:
+                raise ValueError(f"invalid slice ({s_off}, {d_off}, {length})")
+        with self._lock:
+            self._check_open()
+            transfer_id = next(self._ids)
+            reason = self._precheck(src, dst, slices)
+            if not reason:
+                self._ops_issued += len(slices)
+                reason = self._submit(transfer_id, src, dst, slices)
+            if reason:
+                self._ready.append(Completion(transfer_id, False, reason, len(slices)))
+            else:
+                self._in_flight.add(transfer_id)
+            return transfer_id
+
+    def poll(self) -> list[Completion]:
+        """Completions (successes and failures) since the last call, in no particular order. Never raises."""
+        with self._lock:
+            if not self._closed:
+                for completion in self._progress():
+                    self._in_flight.discard(completion.transfer_id)
+                    self._ready.append(completion)
+            ready, self._ready = self._ready, []
+            return ready
+
+    @property
+    def ops_issued(self) -> int:
+        """Transfer operations handed to the backend so far (1 per write, one per slice of a batch)."""
+        return self._ops_issued
+
+    @property
+    def in_flight(self) -> int:
+        """Transfers submitted and not yet reported by `poll`."""
+        return len(self._in_flight)
+
+    def close(self) -> None:
+        """Release everything. Transfers still in flight are reported failed by the next `poll`. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            for transfer_id in sorted(self._in_flight):
+                self._ready.append(Completion(transfer_id, False, "transport closed with the write in flight", 0))
+            self._in_flight.clear()
+            self._close()
+            self._regions.clear()
+            self._remotes.clear()
+
+    def __enter__(self) -> DataTransport:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- shared checks -------------------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TransportError(f"{self.backend} transport {self.name!r} is closed")
+
+    def _known_region(self, region: LocalRegion) -> None:
+        if self._regions.get(region.region_id) is not region:
+            raise TransportError(f"local region {region.region_id} is not registered with {self.name!r}")
+
+    def _precheck(self, src: LocalRegion, dst: RemoteRegion, slices: Sequence[Slice]) -> str:
+        """Reason why this batch cannot be submitted, or "" if it can."""
+        if self._regions.get(src.region_id) is not src:
+            return f"local region {src.region_id} is not registered"
+        if self._remotes.get(dst.key) != dst:
+            return f"remote region {dst.region_id} of {dst.owner!r} is not imported (forgotten or never imported)"
+        for s_off, d_off, length in slices:
+            if s_off + length > src.nbytes:
+                return f"source slice [{s_off}, {s_off + length}) is outside the local region of {src.nbytes} bytes"
+            if d_off + length > dst.nbytes:
+                return (
+                    f"destination slice [{d_off}, {d_off + length}) is outside remote region {dst.region_id} "
+                    f"of {dst.owner!r} ({dst.nbytes} bytes)"
+                )
+        return ""
+
+    # ---- backend hooks -------------------------------------------------------------------------------------
+    def _allocate(self, nbytes: int, region_id: int) -> torch.Tensor:
+        tensor = torch.zeros(nbytes, dtype=torch.uint8)
+        self._register(LocalRegion(region_id, tensor))
+        return tensor
+
+    @abstractmethod
+    def _register(self, region: LocalRegion) -> None: ...
+
+    @abstractmethod
+    def _unregister(self, region: LocalRegion) -> None: ...
+
+    @abstractmethod
+    def _export_payload(self, region: LocalRegion) -> bytes: ...
+
+    @abstractmethod
+    def _import(self, descriptor: RegionDescriptor, remote: RemoteRegion) -> None: ...
+
+    @abstractmethod
+    def _forget(self, remote: RemoteRegion) -> None: ...
+
+    @abstractmethod
+    def _submit(self, transfer_id: int, src: LocalRegion, dst: RemoteRegion, slices: Sequence[Slice]) -> str: ...
+
+    @abstractmethod
+    def _progress(self) -> list[Completion]: ...
+
+    @abstractmethod
+    def _close(self) -> None: ...
+
+
+def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """Flat uint8 view of a contiguous CPU tensor, sharing its memory."""
+    if tensor.device.type != "cpu":
+        raise ValueError(f"data transports register CPU memory; got a tensor on {tensor.device}")
+    if not tensor.is_contiguous() or tensor.numel() == 0:
+        raise ValueError("data transports register non-empty contiguous tensors only")
+    return tensor.reshape(-1).view(torch.uint8)

@@ -1,0 +1,240 @@
+"""The `local` data backend: same-host shared memory, the embedded default with no extra dependency.
+
+Owns: the shared-memory segments behind regions from `allocate` (files under `TransportConfig.shm_dir`, named
+`kvstage-<pid>-<tag>-<region>`), the writer-side mappings of peers' segments, and one copy thread.
+
+How it works. `allocate` creates a segment file, maps it and hands out a tensor over the mapping; its descriptor
+names the segment and the owner's pid. A writer maps the named segment and a write is a `copy_` into that
+mapping, done by this transport's copy thread so that `write` returns at once; `poll` reports what it finished.
+
+Ownership. The process that created a segment is the only one that unlinks it (on `unregister` or `close`);
+writers only map and unmap. We do not use `multiprocessing.shared_memory`, whose resource tracker would unlink a
+segment when any process that merely attached to it exits. A segment left behind by a process killed with
+SIGKILL is swept by the next `LocalTransport` started by the same user.
+
+Invariants: a write to a peer whose process has died, or that has released the segment, fails with a reason
+before any byte is copied; a failed copy becomes a failed completion and the copy thread keeps running.
+Called through `kvstage.transport.data.create_transport`.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import re
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgspec
+import torch
+
+from kvstage.errors import TransportError
+from kvstage.transport.data.base import (
+    Completion,
+    DataTransport,
+    LocalRegion,
+    RegionDescriptor,
+    RemoteRegion,
+    Slice,
+    TransportConfig,
+)
+from kvstage.transport.data.workers import JobRunner
+
+log = logging.getLogger(__name__)
+
+_SEGMENT_RE = re.compile(r"kvstage-(\d+)-[0-9a-f]{12}-\d+")
+
+
+class _SegmentRef(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Payload of a local descriptor: the segment's file name (no directory) and its owner's pid."""
+
+    segment: str
+    pid: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Segment:
+    """A mapped segment file: a tensor over its mapping, its owner's pid and its inode (to detect a release)."""
+
+    path: Path
+    tensor: torch.Tensor
+    pid: int
+    inode: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Job:
+    transfer_id: int
+    src: torch.Tensor
+    dst: _Segment
+    slices: tuple[Slice, ...]
+
+    @property
+    def ops(self) -> int:
+        return len(self.slices)
+
+
+class LocalTransport(DataTransport):
+    """Shared-memory backend: peers must be on the same host and see the same `shm_dir`."""
+
+    backend = "local"
+
+    def __init__(self, config: TransportConfig) -> None:
+        super().__init__(config)
+        self._dir = Path(config.shm_dir)
+        if not self._dir.is_dir():
+            raise TransportError(f"shared-memory directory {self._dir} does not exist; set TransportConfig.shm_dir")
+        self._tag = uuid.uuid4().hex[:12]
+        self._owned: dict[int, _Segment] = {}
+        self._mapped: dict[int, _Segment] = {}
+        _sweep_dead_segments(self._dir)
+        self._copier: JobRunner[_Job] = JobRunner(f"kvstage-local-{config.name}", _run_job)
+
+    # ---- memory -------------------------------------------------------------------------------------------
+    def _allocate(self, nbytes: int, region_id: int) -> torch.Tensor:
+        path = self._dir / f"kvstage-{os.getpid()}-{self._tag}-{region_id}"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, nbytes)
+            segment = _Segment(path, _map(fd, nbytes), os.getpid(), os.fstat(fd).st_ino)
+        except OSError:
+            path.unlink(missing_ok=True)
+            raise
+        finally:
+            os.close(fd)
+        self._owned[region_id] = segment
+        return segment.tensor
+
+    def _register(self, region: LocalRegion) -> None:
+        """Any CPU tensor can be a write source; only `allocate`d regions can be exported."""
+
+    def _unregister(self, region: LocalRegion) -> None:
+        segment = self._owned.pop(region.region_id, None)
+        if segment is not None:
+            segment.path.unlink(missing_ok=True)
+
+    def _export_payload(self, region: LocalRegion) -> bytes:
+        segment = self._owned.get(region.region_id)
+        if segment is None:
+            raise TransportError(
+                f"the local backend can export only regions made by allocate(); region {region.region_id} was "
+                "registered from caller memory, which peers cannot map"
+            )
+        return msgspec.msgpack.encode(_SegmentRef(segment.path.name, segment.pid))
+
+    def _import(self, descriptor: RegionDescriptor, remote: RemoteRegion) -> None:
+        try:
+            ref = msgspec.msgpack.decode(descriptor.payload, type=_SegmentRef)
+        except msgspec.DecodeError as err:
+            raise TransportError(f"malformed local descriptor from {descriptor.owner!r}: {err}") from err
+        if _SEGMENT_RE.fullmatch(ref.segment) is None:
+            raise TransportError(f"descriptor from {descriptor.owner!r} names an invalid segment {ref.segment!r}")
+        path = self._dir / ref.segment
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except OSError as err:
+            raise TransportError(f"cannot open segment {ref.segment} of {descriptor.owner!r}: {err}") from err
+        try:
+            stat = os.fstat(fd)
+            if stat.st_size < descriptor.nbytes:
+                raise TransportError(
+                    f"segment {ref.segment} has {stat.st_size} bytes, descriptor says {descriptor.nbytes}"
+                )
+            self._mapped[remote.key] = _Segment(path, _map(fd, descriptor.nbytes), ref.pid, stat.st_ino)
+        finally:
+            os.close(fd)
+
+    def _forget(self, remote: RemoteRegion) -> None:
+        self._mapped.pop(remote.key, None)
+
+    # ---- writes --------------------------------------------------------------------------------------------
+    def _submit(self, transfer_id: int, src: LocalRegion, dst: RemoteRegion, slices: Sequence[Slice]) -> str:
+        segment = self._mapped[dst.key]
+        reason = _peer_gone(segment)
+        if reason:
+            return reason
+        self._copier.submit(_Job(transfer_id, src.tensor, segment, tuple(slices)))
+        return ""
+
+    def _progress(self) -> list[Completion]:
+        return self._copier.drain()
+
+    def _close(self) -> None:
+        self._copier.stop()
+        for segment in self._owned.values():
+            segment.path.unlink(missing_ok=True)
+        self._owned.clear()
+        self._mapped.clear()
+
+
+def _run_job(job: _Job) -> Completion:
+    """Copy every slice of `job`; any error fails the whole transfer with its reason."""
+    reason = _peer_gone(job.dst)
+    if reason:
+        return Completion(job.transfer_id, False, reason, len(job.slices))
+    try:
+        for s_off, d_off, length in job.slices:
+            job.dst.tensor[d_off : d_off + length].copy_(job.src[s_off : s_off + length])
+    except (RuntimeError, OSError) as err:
+        log.warning("local write %d into %s failed: %s", job.transfer_id, job.dst.path.name, err)
+        return Completion(job.transfer_id, False, f"copy into {job.dst.path.name} failed: {err}", len(job.slices))
+    return Completion(job.transfer_id, True, "", len(job.slices))
+
+
+def _peer_gone(segment: _Segment) -> str:
+    """Reason the segment's owner can no longer receive writes (dead or released), or ""."""
+    if not _pid_alive(segment.pid):
+        return f"peer dead: owner process {segment.pid} of segment {segment.path.name} has exited"
+    try:
+        released = os.stat(segment.path).st_ino != segment.inode
+    except FileNotFoundError:
+        released = True
+    return f"peer closed: segment {segment.path.name} was released by its owner" if released else ""
+
+
+def _pid_alive(pid: int) -> bool:
+    """Whether `pid` runs; a zombie (killed, not yet reaped by its parent) counts as dead."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    proc = Path(f"/proc/{pid}/stat")
+    if not Path("/proc/self/stat").exists():
+        return True  # no procfs: the kill above is all we can know
+    try:
+        stat = proc.read_text()
+    except FileNotFoundError:
+        return False  # it ended between the kill and the read
+    except OSError as err:
+        log.debug("cannot read %s (%s); taking process %d as alive", proc, err, pid)
+        return True
+    return stat[stat.rfind(")") + 2 :][:1] not in ("Z", "X")
+
+
+def _map(fd: int, nbytes: int) -> torch.Tensor:
+    """Tensor over a shared read-write mapping of the first `nbytes` of `fd`; the tensor keeps the mapping alive.
+
+    The mapping is unmapped when the last tensor over it is garbage-collected, never explicitly, so a copy still
+    running on the copy thread cannot touch unmapped memory."""
+    mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    return torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes)
+
+
+def _sweep_dead_segments(directory: Path) -> None:
+    """Unlink segments this user's processes left behind when they died without closing (e.g. SIGKILL)."""
+    uid = os.getuid()
+    for path in directory.glob("kvstage-*"):
+        match = _SEGMENT_RE.fullmatch(path.name)
+        if match is None or _pid_alive(int(match.group(1))):
+            continue
+        try:
+            if path.stat().st_uid == uid:
+                path.unlink()
+                log.info("removed shared-memory segment %s left by dead process %s", path.name, match.group(1))
+        except FileNotFoundError:
+            log.debug("segment %s was already removed by another sweeper", path.name)

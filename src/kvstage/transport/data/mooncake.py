@@ -1,0 +1,164 @@
+"""The `mooncake` data backend: Mooncake Transfer Engine (`mooncake-transfer-engine-non-cuda`) on CPU memory.
+
+Owns: one `mooncake.engine.TransferEngine`, the regions registered with it, the imported peers' (session,
+address) pairs, and the worker threads that run its blocking write calls.
+
+How it works. The engine starts with the P2P handshake (no metadata service: a peer is named by its session
+"host:rpc_port") over TCP by default; `TransportConfig(mooncake_protocol="rdma", mooncake_device="mlx5_0")`
+selects RDMA. A descriptor carries the owner's session and the region's base address; a write targets
+`base + offset` in the peer's registered memory. The Python binding offers a non-blocking status check only for
+single-task batches, so writes run as blocking batch calls (which release the GIL) on `_WORKERS` threads, and
+`poll` collects what they finished. A batch of n slices is n engine tasks (n operations), submitted in calls of
+at most `_MAX_TASKS_PER_CALL` tasks.
+
+Invariants: a rejected, unreachable or timed-out write becomes a failed completion naming the peer session; the
+engine enforces on the reader side that a write lands inside registered memory, and `DataTransport` checks
+region bounds before submitting. Called through `kvstage.transport.data.create_transport`.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from kvstage.errors import TransportError, TransportUnavailable
+from kvstage.transport.data.base import (
+    Completion,
+    DataTransport,
+    LocalRegion,
+    RegionDescriptor,
+    RemoteRegion,
+    Slice,
+    TransportConfig,
+)
+from kvstage.transport.data.workers import JobRunner
+
+log = logging.getLogger(__name__)
+
+_WORKERS = 2
+_MAX_TASKS_PER_CALL = 512
+"""Largest engine batch we submit: Mooncake's TCP transport rejects (fails) work beyond a per-peer queue of 1024
+transfers, so a long `write_batch` goes out as consecutive calls of at most this many tasks on one worker."""
+_SESSION_RE = re.compile(r"[A-Za-z0-9.\-:\[\]]{1,200}:\d{1,5}")
+
+
+class _MooncakeRef(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Payload of a mooncake descriptor: the owner's engine session and the region's base address."""
+
+    session: str
+    address: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Write:
+    transfer_id: int
+    session: str
+    sources: list[int]
+    targets: list[int]
+    lengths: list[int]
+
+    @property
+    def ops(self) -> int:
+        return len(self.lengths)
+
+
+def load_engine_class() -> Any:
+    """Mooncake's `TransferEngine` class, or `TransportUnavailable` naming the extra (and libibverbs1)."""
+    try:
+        from mooncake.engine import TransferEngine  # type: ignore[import-untyped]
+    except ImportError as err:
+        raise TransportUnavailable(
+            "the mooncake backend needs Mooncake's transfer engine: pip install 'kvstage[mooncake]' "
+            f"(it also needs the system library libibverbs1, e.g. apt-get install libibverbs1); import failed: {err}"
+        ) from err
+    return TransferEngine
+
+
+class MooncakeTransport(DataTransport):
+    """Mooncake Transfer Engine backend; TCP with P2P handshake by default, RDMA by config."""
+
+    backend = "mooncake"
+
+    def __init__(self, config: TransportConfig) -> None:
+        engine_class = load_engine_class()
+        super().__init__(config)
+        self._engine = engine_class()
+        rc = self._engine.initialize(
+            config.host, config.mooncake_metadata_server, config.mooncake_protocol, config.mooncake_device
+        )
+        if rc != 0:
+            raise TransportError(
+                f"Mooncake transfer engine failed to start on {config.host} with protocol "
+                f"{config.mooncake_protocol!r} (code {rc}); for rdma check mooncake_device"
+            )
+        self.session = f"{config.host}:{self._engine.get_rpc_port()}"
+        self._peers: dict[int, _MooncakeRef] = {}
+        self._writer: JobRunner[_Write] = JobRunner(f"kvstage-mooncake-{config.name}", self._run, _WORKERS)
+
+    def _register(self, region: LocalRegion) -> None:
+        rc = self._engine.register_memory(region.address, region.nbytes)
+        if rc != 0:
+            raise TransportError(f"Mooncake could not register {region.nbytes} bytes (code {rc})")
+
+    def _unregister(self, region: LocalRegion) -> None:
+        rc = self._engine.unregister_memory(region.address)
+        if rc != 0:
+            log.warning("Mooncake could not unregister region %d (code %d)", region.region_id, rc)
+
+    def _export_payload(self, region: LocalRegion) -> bytes:
+        return msgspec.msgpack.encode(_MooncakeRef(self.session, region.address))
+
+    def _import(self, descriptor: RegionDescriptor, remote: RemoteRegion) -> None:
+        try:
+            ref = msgspec.msgpack.decode(descriptor.payload, type=_MooncakeRef)
+        except msgspec.DecodeError as err:
+            raise TransportError(f"malformed mooncake descriptor from {descriptor.owner!r}: {err}") from err
+        if _SESSION_RE.fullmatch(ref.session) is None or ref.address <= 0:
+            raise TransportError(f"mooncake descriptor from {descriptor.owner!r} has session {ref.session!r}")
+        self._peers[remote.key] = ref
+
+    def _forget(self, remote: RemoteRegion) -> None:
+        self._peers.pop(remote.key, None)
+
+    def _submit(self, transfer_id: int, src: LocalRegion, dst: RemoteRegion, slices: Sequence[Slice]) -> str:
+        peer = self._peers[dst.key]
+        self._writer.submit(
+            _Write(
+                transfer_id,
+                peer.session,
+                [src.address + s_off for s_off, _, _ in slices],
+                [peer.address + d_off for _, d_off, _ in slices],
+                [length for _, _, length in slices],
+            )
+        )
+        return ""
+
+    def _run(self, write: _Write) -> Completion:
+        rc = 0
+        for start in range(0, write.ops, _MAX_TASKS_PER_CALL):
+            end = start + _MAX_TASKS_PER_CALL
+            rc = self._engine.batch_transfer_sync_write(
+                write.session, write.sources[start:end], write.targets[start:end], write.lengths[start:end]
+            )
+            if rc != 0:
+                break
+        if rc != 0:
+            reason = f"mooncake write to {write.session} failed (code {rc}): peer unreachable, dead or rejected it"
+            log.warning("transfer %d: %s", write.transfer_id, reason)
+            return Completion(write.transfer_id, False, reason, write.ops)
+        return Completion(write.transfer_id, True, "", write.ops)
+
+    def _progress(self) -> list[Completion]:
+        return self._writer.drain()
+
+    def _close(self) -> None:
+        self._writer.stop()
+        for region in list(self._regions.values()):
+            self._unregister(region)
+        self._peers.clear()
+        self._engine = None

@@ -1,0 +1,238 @@
+"""The `nixl` data backend: NVIDIA NIXL (`nixl-cu12==1.5.1`) with its UCX plugin, on DRAM.
+
+Owns: one `nixl_agent` named after `TransportConfig.name`, the regions registered with it, the remote agents
+loaded from descriptors (reference-counted per owner), and the transfer handles still in flight.
+
+How it works. A descriptor carries the owner's agent metadata (taken after the region was registered, so it
+lists the region) and the region's base address; importing loads that metadata into our agent. A write builds
+local and remote transfer descriptor lists (one row per slice), creates a WRITE request and posts it; `poll`
+asks NIXL for the state of each request without blocking. NIXL is asynchronous by itself: no thread of ours.
+Remote descriptor lists are built here from plain integers; we never unpickle NIXL's serialised descriptors,
+which would run code from the wire.
+
+UCX and InfiniBand. NIXL's wheel bundles UCX with its own libibverbs and libnl-route. Where the system copies are
+also present (Debian's libibverbs1, which Mooncake needs), UCX's InfiniBand modules load both copies of
+libnl-route and the process dies with SIGSEGV in libnl-route's destructor at exit. Unless
+`TransportConfig.nixl_rdma` is set, or the user has set `UCX_MODULES` themselves, the first NIXL transport of a
+process therefore sets `UCX_MODULES=^ib` (inherited by child processes) before UCX loads: UCX then uses its
+TCP, shared-memory and CMA transports, which is all a CPU loopback or TCP network can use anyway.
+
+Invariants: every NIXL error (a write outside the peer's registered memory, a disconnected peer, a backend
+error) becomes a failed completion with NIXL's status in the reason; a request still in progress after
+`TransportConfig.write_timeout_s` fails as timed out and is cancelled. Called through
+`kvstage.transport.data.create_transport`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from kvstage.errors import TransportError, TransportUnavailable
+from kvstage.transport.data.base import (
+    Completion,
+    DataTransport,
+    LocalRegion,
+    RegionDescriptor,
+    RemoteRegion,
+    Slice,
+    TransportConfig,
+)
+
+log = logging.getLogger(__name__)
+
+
+class _NixlRef(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Payload of a nixl descriptor: the owner agent's metadata and the region's base address."""
+
+    metadata: bytes
+    address: int
+
+
+@dataclass(slots=True)
+class _InFlight:
+    handle: Any
+    ops: int
+    owner: str
+    deadline: float
+
+
+@dataclass(frozen=True, slots=True)
+class _Nixl:
+    """The pieces of the nixl package this backend uses."""
+
+    agent_class: Any
+    config_class: Any
+    errors: tuple[type[Exception], ...]
+
+
+def load_nixl() -> _Nixl:
+    """NIXL's agent classes and exception types, or `TransportUnavailable` naming the pip extra."""
+    try:
+        from nixl_cu12 import _bindings  # type: ignore[attr-defined]
+        from nixl_cu12._api import nixl_agent, nixl_agent_config
+    except ImportError as err:
+        raise TransportUnavailable(
+            f"the nixl backend needs NIXL: pip install 'kvstage[nixl]' (nixl-cu12==1.5.1); import failed: {err}"
+        ) from err
+    errors = tuple(
+        value
+        for name, value in vars(_bindings).items()
+        if name.startswith("nixl") and isinstance(value, type) and issubclass(value, Exception)
+    )
+    return _Nixl(nixl_agent, nixl_agent_config, errors)
+
+
+class NixlTransport(DataTransport):
+    """NIXL backend over UCX (or `TransportConfig.nixl_backend`), DRAM regions only."""
+
+    backend = "nixl"
+
+    def __init__(self, config: TransportConfig) -> None:
+        nixl = load_nixl()
+        super().__init__(config)
+        if not config.nixl_rdma and "UCX_MODULES" not in os.environ:
+            os.environ["UCX_MODULES"] = "^ib"
+        self._errors: tuple[type[Exception], ...] = (*nixl.errors, RuntimeError)  # RuntimeError: other C++ errors
+        try:
+            self._agent = nixl.agent_class(config.name, nixl.config_class(backends=[config.nixl_backend]))
+        except nixl.errors as err:
+            raise TransportError(
+                f"NIXL agent {config.name!r} failed to start with {config.nixl_backend}: {err}"
+            ) from err
+        if config.nixl_backend not in self._agent.backends:
+            raise TransportError(
+                f"NIXL has no {config.nixl_backend!r} plugin here (available: {', '.join(self._agent.plugin_list)})"
+            )
+        self._registrations: dict[int, Any] = {}
+        self._peers: dict[int, int] = {}
+        self._owner_refs: dict[str, int] = {}
+        self._pending: dict[int, _InFlight] = {}
+
+    def _register(self, region: LocalRegion) -> None:
+        try:
+            self._registrations[region.region_id] = self._agent.register_memory(
+                [(region.address, region.nbytes, 0, "")], "DRAM"
+            )
+        except self._errors as err:
+            raise TransportError(f"NIXL could not register {region.nbytes} bytes: {err}") from err
+
+    def _unregister(self, region: LocalRegion) -> None:
+        registration = self._registrations.pop(region.region_id, None)
+        if registration is None:
+            return
+        try:
+            self._agent.deregister_memory(registration)
+        except self._errors as err:
+            log.warning("NIXL could not deregister region %d: %s", region.region_id, err)
+
+    def _export_payload(self, region: LocalRegion) -> bytes:
+        return msgspec.msgpack.encode(_NixlRef(self._agent.get_agent_metadata(), region.address))
+
+    def _import(self, descriptor: RegionDescriptor, remote: RemoteRegion) -> None:
+        try:
+            ref = msgspec.msgpack.decode(descriptor.payload, type=_NixlRef)
+        except msgspec.DecodeError as err:
+            raise TransportError(f"malformed nixl descriptor from {descriptor.owner!r}: {err}") from err
+        try:
+            loaded = self._agent.add_remote_agent(ref.metadata)
+        except self._errors as err:
+            raise TransportError(f"NIXL could not load the metadata of {descriptor.owner!r}: {err}") from err
+        name = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
+        if name != descriptor.owner:
+            raise TransportError(f"nixl descriptor from {descriptor.owner!r} carries metadata of agent {name!r}")
+        self._peers[remote.key] = ref.address
+        self._owner_refs[name] = self._owner_refs.get(name, 0) + 1
+
+    def _forget(self, remote: RemoteRegion) -> None:
+        if self._peers.pop(remote.key, None) is None:
+            return
+        refs = self._owner_refs[remote.owner] - 1
+        if refs:
+            self._owner_refs[remote.owner] = refs
+            return
+        del self._owner_refs[remote.owner]
+        try:
+            self._agent.remove_remote_agent(remote.owner)
+        except self._errors as err:
+            log.warning("NIXL could not remove remote agent %r: %s", remote.owner, err)
+
+    def _submit(self, transfer_id: int, src: LocalRegion, dst: RemoteRegion, slices: Sequence[Slice]) -> str:
+        rows = np.array(slices, dtype=np.uint64).reshape(-1, 3)
+        local = np.zeros_like(rows)
+        local[:, 0] = rows[:, 0] + np.uint64(src.address)
+        local[:, 1] = rows[:, 2]
+        remote = np.zeros_like(rows)
+        remote[:, 0] = rows[:, 1] + np.uint64(self._peers[dst.key])
+        remote[:, 1] = rows[:, 2]
+        handle = None
+        try:
+            local_descs = self._agent.get_xfer_descs(local, "DRAM")
+            remote_descs = self._agent.get_xfer_descs(remote, "DRAM")
+            handle = self._agent.initialize_xfer("WRITE", local_descs, remote_descs, dst.owner)
+            state = self._agent.transfer(handle)
+        except self._errors as err:
+            self._release(handle)
+            return f"nixl write to {dst.owner!r} failed to start: {type(err).__name__} {err}"
+        if state == "ERR":
+            self._release(handle)
+            return f"nixl write to {dst.owner!r} was refused by the backend"
+        deadline = time.monotonic() + self.config.write_timeout_s
+        self._pending[transfer_id] = _InFlight(handle, len(slices), dst.owner, deadline)
+        return ""
+
+    def _progress(self) -> list[Completion]:
+        done: list[Completion] = []
+        now = time.monotonic()
+        for transfer_id, flight in list(self._pending.items()):
+            reason = self._state(flight, now)
+            if reason is None:
+                continue
+            del self._pending[transfer_id]
+            self._release(flight.handle)
+            done.append(Completion(transfer_id, not reason, reason, flight.ops))
+        return done
+
+    def _state(self, flight: _InFlight, now: float) -> str | None:
+        """None while in progress, "" when done, else the failure reason."""
+        try:
+            state = self._agent.check_xfer_state(flight.handle)
+        except self._errors as err:
+            return f"nixl write to {flight.owner!r} failed: {type(err).__name__} {err}"
+        if state == "DONE":
+            return ""
+        if state == "ERR":
+            return f"nixl write to {flight.owner!r} failed in the backend (peer dead or disconnected?)"
+        if now > flight.deadline:
+            return f"nixl write to {flight.owner!r} timed out after {self.config.write_timeout_s:.0f} s"
+        return None
+
+    def _release(self, handle: Any) -> None:
+        if handle is None:
+            return
+        try:
+            self._agent.release_xfer_handle(handle)
+        except self._errors as err:
+            log.warning("NIXL could not release a transfer handle: %s", err)
+
+    def _close(self) -> None:
+        for flight in self._pending.values():
+            self._release(flight.handle)
+        self._pending.clear()
+        for region in list(self._regions.values()):
+            self._unregister(region)
+        for owner in list(self._owner_refs):
+            try:
+                self._agent.remove_remote_agent(owner)
+            except self._errors as err:
+                log.warning("NIXL could not remove remote agent %r: %s", owner, err)
+        self._owner_refs.clear()
+        self._peers.clear()
+        self._agent = None  # destroy the NIXL agent now, not during interpreter shutdown (which can crash UCX)

@@ -1,0 +1,100 @@
+"""The local (shared-memory) backend's ownership of its segments, across real processes."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import msgspec
+import pytest
+import torch
+
+from kvstage.errors import TransportError
+from kvstage.transport.data import RegionDescriptor, TransportConfig, create_transport
+from kvstage.transport.data.loopback import ReaderPeer, digest, measure_raw_bulk, scattered_slices, wait_for
+
+
+def segment_path(descriptor: RegionDescriptor, shm_dir: Path) -> Path:
+    [path] = [p for p in shm_dir.glob("kvstage-*") if descriptor.payload.find(p.name.encode()) >= 0]
+    return path
+
+
+def test_only_the_owner_unlinks_its_segment_and_a_closed_owner_fails_later_writes(tmp_path: Path) -> None:
+    config = TransportConfig(shm_dir=str(tmp_path))
+    reader = ReaderPeer(config, 1 << 16)
+    path = segment_path(reader.descriptor, tmp_path)
+    with create_transport(TransportConfig(shm_dir=str(tmp_path))) as writer:
+        remote = writer.import_remote(reader.descriptor)
+        source = writer.register(torch.full((1 << 16,), 5, dtype=torch.uint8))
+        first = writer.write(source, 0, remote, 0, 1 << 16)
+        assert wait_for(writer, [first])[first].ok
+        writer.forget_remote(remote)
+    assert path.exists(), "a writer closing its transport must not unlink the reader's segment"
+    assert reader.digest(0, 1 << 16) == digest(torch.full((1 << 16,), 5, dtype=torch.uint8))
+
+    with create_transport(TransportConfig(shm_dir=str(tmp_path))) as writer:
+        remote = writer.import_remote(reader.descriptor)
+        source = writer.allocate(16)
+        reader.close_transport()
+        assert not path.exists()
+        late = writer.write(source, 0, remote, 0, 16)
+        assert wait_for(writer, [late])[late].reason.startswith("peer closed")
+    reader.stop()
+
+
+def test_segment_of_a_killed_owner_is_swept_by_the_next_transport(tmp_path: Path) -> None:
+    reader = ReaderPeer(TransportConfig(shm_dir=str(tmp_path)), 4096)
+    path = segment_path(reader.descriptor, tmp_path)
+    reader.kill()
+    assert path.exists()
+
+    with create_transport(TransportConfig(shm_dir=str(tmp_path))) as survivor:
+        live = survivor.allocate(4096)
+        assert not path.exists()
+        assert segment_path(survivor.export(live), tmp_path).exists()
+    assert list(tmp_path.glob("kvstage-*")) == []
+
+
+def test_caller_memory_can_be_a_source_but_cannot_be_exported() -> None:
+    with create_transport(TransportConfig()) as transport:
+        region = transport.register(torch.zeros(64, dtype=torch.float32))
+        assert region.nbytes == 256
+        with pytest.raises(TransportError, match="only regions made by allocate"):
+            transport.export(region)
+
+
+def test_import_refuses_a_descriptor_naming_a_path_outside_the_segment_namespace(tmp_path: Path) -> None:
+    with create_transport(TransportConfig(shm_dir=str(tmp_path))) as transport:
+        for name in ("../etc/passwd", "kvstage-1-zz-1", "kvstage-99999999-0123456789ab-1"):
+            payload = msgspec.msgpack.encode({"segment": name, "pid": 1})
+            with pytest.raises(TransportError):
+                transport.import_remote(RegionDescriptor("local", "evil", 1, 16, payload))
+
+
+def test_closing_with_writes_in_flight_reports_each_of_them_failed_exactly_once() -> None:
+    with ReaderPeer(TransportConfig(), 1 << 22) as reader:
+        writer = create_transport(TransportConfig())
+        source = writer.allocate(1 << 22)
+        remote = writer.import_remote(reader.descriptor)
+        transfers = [writer.write(source, 0, remote, 0, 1 << 22) for _ in range(4)]
+        writer.close()
+        completions = writer.poll() + writer.poll()
+    assert sorted(c.transfer_id for c in completions) == transfers
+    assert all(not c.ok and "closed" in c.reason for c in completions)
+    with pytest.raises(TransportError, match="closed"):
+        writer.write(source, 0, remote, 0, 16)
+
+
+def test_raw_bulk_harness_counts_one_operation_for_bulk_and_one_per_slice() -> None:
+    result = measure_raw_bulk(TransportConfig(), 1 << 20, 4096, repeats=1)
+    assert (result.bulk_ops, result.slice_ops) == (1, 256)
+    assert result.bulk_gbps > 0 and result.slice_gbps > 0
+
+
+def test_scattered_slices_cover_both_regions_exactly_once_without_adjacent_neighbours() -> None:
+    slices = scattered_slices(1 << 20, 4096)
+    for column in (0, 1):
+        starts = sorted(s[column] for s in slices)
+        assert starts == list(range(0, 1 << 20, 4096))
+    for a, b in itertools.pairwise(slices):
+        assert b[0] != a[0] + 4096 and b[1] != a[1] + 4096

@@ -1,0 +1,185 @@
+"""Behaviour every data backend shares, checked between two real processes for local, mooncake and nixl.
+
+The reader is a spawned child process (`ReaderPeer`) that owns the target region; this test process is the
+writer. Bytes are compared by SHA-256 digests taken on each side.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from kvstage.errors import ProtocolError, TransportError, TransportUnavailable
+from kvstage.transport.data import (
+    RegionDescriptor,
+    TransportConfig,
+    create_transport,
+    decode_descriptor,
+    encode_descriptor,
+)
+from kvstage.transport.data.base import MAX_DESCRIPTOR_PAYLOAD, DataTransport
+from kvstage.transport.data.loopback import ReaderPeer, digest, scattered_slices, wait_for
+
+REGION = 1 << 20
+BACKENDS = ["local", "mooncake", "nixl"]
+
+
+def config(backend: str) -> TransportConfig:
+    return TransportConfig(backend=backend, write_timeout_s=20.0)
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def peer(request: pytest.FixtureRequest) -> Iterator[ReaderPeer]:
+    with ReaderPeer(config(request.param), REGION) as reader:
+        yield reader
+
+
+@pytest.fixture
+def writer(peer: ReaderPeer) -> Iterator[DataTransport]:
+    with create_transport(config(peer.descriptor.backend)) as transport:
+        yield transport
+
+
+def random_bytes(n: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+
+
+def test_bulk_and_batched_slices_land_bit_exact_in_the_reader_process(peer: ReaderPeer, writer: DataTransport) -> None:
+    source = writer.register(random_bytes(REGION, seed=7))
+    remote = writer.import_remote(decode_descriptor(encode_descriptor(peer.descriptor)))
+    slices = [(s + 300_000, d, n) for s, d, n in scattered_slices(64 * 1024, 1024)]
+    expected = torch.frombuffer(bytearray(peer.read(0, REGION)), dtype=torch.uint8)
+
+    bulk = writer.write(source, 0, remote, REGION // 2, REGION // 4)
+    batch = writer.write_batch(source, remote, slices)
+    done = wait_for(writer, [bulk, batch], timeout_s=30)
+
+    assert [(c.ok, c.reason, c.ops) for c in (done[bulk], done[batch])] == [(True, "", 1), (True, "", 64)]
+    assert writer.ops_issued == 65
+    assert writer.in_flight == 0
+    expected[REGION // 2 : REGION // 2 + REGION // 4] = source.tensor[: REGION // 4]
+    for s_off, d_off, length in slices:
+        expected[d_off : d_off + length] = source.tensor[s_off : s_off + length]
+    assert peer.digest(0, REGION) == digest(expected)
+
+
+def test_write_outside_the_remote_region_fails_with_a_reason_and_moves_no_byte(
+    peer: ReaderPeer, writer: DataTransport
+) -> None:
+    source = writer.allocate(4096)
+    source.tensor.fill_(0xAB)
+    remote = writer.import_remote(peer.descriptor)
+    before = peer.digest(REGION - 4096, 4096)
+
+    transfer = writer.write(source, 0, remote, REGION - 100, 4096)
+    [completion] = wait_for(writer, [transfer], timeout_s=10).values()
+
+    assert not completion.ok
+    assert "outside remote region" in completion.reason
+    assert peer.digest(REGION - 4096, 4096) == before
+    assert writer.ops_issued == 0
+
+
+def test_write_through_a_forgotten_remote_or_unregistered_source_fails_with_a_reason(
+    peer: ReaderPeer, writer: DataTransport
+) -> None:
+    source = writer.allocate(4096)
+    remote = writer.import_remote(peer.descriptor)
+    writer.forget_remote(remote)
+    forgotten = writer.write(source, 0, remote, 0, 16)
+    writer.unregister(source)
+    unregistered = writer.write(source, 0, writer.import_remote(peer.descriptor), 0, 16)
+
+    done = wait_for(writer, [forgotten, unregistered], timeout_s=10)
+
+    assert "not imported" in done[forgotten].reason
+    assert "not registered" in done[unregistered].reason
+    assert not done[forgotten].ok and not done[unregistered].ok
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_write_to_a_killed_peer_fails_with_a_reason_instead_of_raising_or_hanging(backend: str) -> None:
+    reader = ReaderPeer(config(backend), REGION)
+    with create_transport(config(backend)) as writer:
+        source = writer.register(random_bytes(REGION, seed=3))
+        remote = writer.import_remote(reader.descriptor)
+        warm = writer.write(source, 0, remote, 0, REGION)
+        assert wait_for(writer, [warm], timeout_s=30)[warm].ok
+        reader.kill()
+
+        transfers = [writer.write(source, 0, remote, 0, REGION) for _ in range(3)]
+        done = wait_for(writer, transfers, timeout_s=40)
+
+    failed = [c for c in done.values() if not c.ok]
+    assert failed, "writes into a SIGKILLed peer's memory all reported success"
+    assert all(c.reason for c in failed)
+    reader.stop()
+
+
+@pytest.mark.parametrize(
+    ("backend", "module", "extra"),
+    [("mooncake", "mooncake.engine", "kvstage[mooncake]"), ("nixl", "nixl_cu12._api", "kvstage[nixl]")],
+)
+def test_missing_backend_package_error_names_the_pip_extra(
+    monkeypatch: pytest.MonkeyPatch, backend: str, module: str, extra: str
+) -> None:
+    monkeypatch.setitem(sys.modules, module, None)
+    with pytest.raises(TransportUnavailable, match=rf"pip install '{extra}'".replace("[", r"\[").replace("]", r"\]")):
+        create_transport(TransportConfig(backend=backend))
+
+
+def test_descriptor_from_the_wire_is_bounded_and_checked() -> None:
+    good = RegionDescriptor("local", "owner", 1, 4096, b"x")
+    assert decode_descriptor(encode_descriptor(good)) == good
+    with pytest.raises(ProtocolError, match="exceeds"):
+        decode_descriptor(encode_descriptor(RegionDescriptor("local", "o", 1, 1, b"x" * (MAX_DESCRIPTOR_PAYLOAD + 1))))
+    with pytest.raises(ProtocolError, match="unknown backend"):
+        decode_descriptor(encode_descriptor(RegionDescriptor("carrier-pigeon", "o", 1, 1, b"")))
+    with pytest.raises(ProtocolError, match="nbytes"):
+        decode_descriptor(encode_descriptor(RegionDescriptor("local", "o", 1, 0, b"")))
+    with pytest.raises(ProtocolError, match="malformed"):
+        decode_descriptor(b"\x93\x01\x02")
+
+
+def test_descriptor_of_another_backend_is_refused_on_import() -> None:
+    with create_transport(TransportConfig()) as transport, pytest.raises(TransportError, match="backend 'nixl'"):
+        transport.import_remote(RegionDescriptor("nixl", "o", 1, 16, b""))
+
+
+def test_a_descriptor_that_overstates_the_region_is_caught_before_bytes_land_outside_it(
+    peer: ReaderPeer, writer: DataTransport
+) -> None:
+    real = peer.descriptor
+    forged = RegionDescriptor(real.backend, real.owner, real.region_id, 4 * REGION, real.payload)
+    if real.backend == "local":
+        with pytest.raises(TransportError, match=f"has {REGION} bytes"):
+            writer.import_remote(forged)
+        return
+    remote = writer.import_remote(forged)  # mooncake and nixl cannot check the size here: their engines must
+    source = writer.register(random_bytes(REGION, seed=11))
+
+    beyond = writer.write(source, 0, remote, 2 * REGION, 4096)
+    [refused] = wait_for(writer, [beyond], timeout_s=30).values()
+    inside = writer.write(source, 0, remote, 0, REGION)
+    [accepted] = wait_for(writer, [inside], timeout_s=30).values()
+
+    assert not refused.ok and refused.reason
+    assert accepted.ok, accepted.reason
+    assert peer.digest(0, REGION) == digest(source.tensor)
+
+
+def test_memory_registered_by_address_is_a_write_source(peer: ReaderPeer, writer: DataTransport) -> None:
+    foreign = bytearray(random_bytes(8192, seed=5).numpy().tobytes())
+    address = ctypes.addressof(ctypes.c_char.from_buffer(foreign))
+    source = writer.register_address(address, len(foreign))
+    remote = writer.import_remote(peer.descriptor)
+
+    transfer = writer.write(source, 0, remote, 4096, 8192)
+
+    assert wait_for(writer, [transfer], timeout_s=30)[transfer].ok
+    assert peer.read(4096, 8192) == bytes(foreign)
+    writer.unregister(source)
