@@ -1,0 +1,136 @@
+"""Actions: what an endpoint asks its caller to do, as frozen values returned by `endpoint.handle(event, now)`.
+
+Owns the output vocabulary of the sans-I/O endpoints. The caller carries the actions out in list order. An
+action that has a `token` must later be answered by exactly one `Completion(token, ok, reason)` event (a
+transfer or scatter that fails is answered with ok=False, never dropped).
+
+| action        | side    | the caller must                                                                  |
+|---------------|---------|----------------------------------------------------------------------------------|
+| Send          | both    | send `envelope` to `peer` (never blocking the engine); report SendFailed if not  |
+| WriteRegion   | prefill | gather this rank's block of the chunk from `src_pages` into local staging and    |
+|               |         | bulk-write it to the decode peer's ring at `dst_offset` (one write); Completion  |
+| WriteDirect   | prefill | copy the chunk's head slice `transfer` page to page, `src_pages` -> `dst_pages`  |
+|               |         | on the decode peer (direct path, R12); Completion                                |
+| Scatter       | decode  | scatter every writer block of `region` into `pages` by `plan`; Completion         |
+| FenceScatter  | decode  | wait until no scatter of `room` is in flight (per room, not a device sync);      |
+|               |         | Completion. Only then are the room's ring space and KV pages released (R1)       |
+| FreePages     | decode  | return the failed room's decode KV `pages` to the pool (never on success)        |
+| FencePeer     | both    | make sure nothing from `peer`'s incarnation (session, epoch) lands any more:     |
+|               |         | drop its late writes and frames (decode: before its quarantined space is reused) |
+| RoomSucceeded | both    | decode: the room's pages hold its KV, generate. prefill: the pages are no longer |
+|               |         | read, the engine may free them                                                   |
+| RoomFailed    | both    | the room failed for `reason` (reasons.py). decode: pages come back by FreePages; |
+|               |         | prefill: no write of the room reads its pages any more, the engine may free them |
+
+Called by: decode.py and prefill.py (construct), runtime/ and sim/ (execute). Pure values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvstage.layout import HeadTransfer, StagingPlan, WriterBlock
+from kvstage.protocol.messages import Envelope
+from kvstage.ring import Allocation
+
+
+@dataclass(frozen=True, slots=True)
+class Send:
+    """Send `envelope` to `peer`."""
+
+    peer: str
+    envelope: Envelope
+
+
+@dataclass(frozen=True, slots=True)
+class WriteRegion:
+    """Staged path: gather `block` (this writer's heads, `num_tokens` tokens from the first token of
+    `src_pages[0]`) and write it to `peer`'s ring bytes `[dst_offset, dst_offset + block.nbytes)`."""
+
+    token: int
+    peer: str
+    room: int
+    chunk: int
+    src_pages: tuple[int, ...]
+    num_tokens: int
+    block: WriterBlock
+    region: Allocation
+    writer_session: int  # this writer's incarnation towards `peer`: FencePeer(peer, s, e) drops the write
+    writer_epoch: int  # when (writer_session, writer_epoch) <= (s, e)
+    dst_session: int  # the decode session that granted the region: a restarted decode's new ring must not
+    # receive it (real transports fail it: the old registration is gone)
+
+    @property
+    def dst_offset(self) -> int:
+        return self.region.offset + self.block.offset
+
+
+@dataclass(frozen=True, slots=True)
+class WriteDirect:
+    """Direct path: copy heads `transfer` of `num_tokens` tokens from `src_pages` (local) to `dst_pages` on `peer`.
+
+    Both page lists start at the chunk's first token, which is page-aligned."""
+
+    token: int
+    peer: str
+    room: int
+    chunk: int
+    src_pages: tuple[int, ...]
+    dst_pages: tuple[int, ...]
+    num_tokens: int
+    transfer: HeadTransfer
+    writer_session: int  # as in WriteRegion
+    writer_epoch: int
+    dst_session: int
+
+
+@dataclass(frozen=True, slots=True)
+class Scatter:
+    """Scatter every writer block of chunk `chunk` from ring `region` into decode `pages` (which start at the
+    chunk's first token) following `plan` (plan.num_tokens tokens)."""
+
+    token: int
+    room: int
+    chunk: int
+    region: Allocation
+    plan: StagingPlan
+    pages: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class FenceScatter:
+    """Complete `token` once no scatter of `room` is in flight any more."""
+
+    token: int
+    room: int
+
+
+@dataclass(frozen=True, slots=True)
+class FreePages:
+    """Return a failed room's decode KV pages to the pool; nothing writes them any more."""
+
+    room: int
+    pages: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class FencePeer:
+    """`peer`'s incarnation (session, epoch) and every older one is dead to this endpoint."""
+
+    peer: str
+    session: int
+    epoch: int
+
+
+@dataclass(frozen=True, slots=True)
+class RoomSucceeded:
+    room: int
+
+
+@dataclass(frozen=True, slots=True)
+class RoomFailed:
+    room: int
+    reason: str
+
+
+Action = Send | WriteRegion | WriteDirect | Scatter | FenceScatter | FreePages | FencePeer | RoomSucceeded | RoomFailed

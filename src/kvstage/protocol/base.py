@@ -1,0 +1,359 @@
+"""The part of an endpoint that does not care which side it plays: dispatch, envelopes, peers, retries, timers.
+
+Owns, for both DecodeEndpoint and PrefillEndpoint:
+- `handle(event, now)`: the single entry point; it dispatches by event type and returns the actions in order;
+- envelopes: every Send carries this endpoint's peer id, session, its epoch towards that peer, a sequence
+  number and (decode only) the current watermark;
+- the peer table and incarnation fencing (R7, R8). A peer's incarnation is (session, epoch), compared as a
+  tuple. A newer one means the old process is gone (or was fenced): it is fenced, the rooms it served are lost,
+  and the new one is served at once. A fenced incarnation's frames are dropped and answered with `Fenced`, so a live
+  but partitioned peer bumps its epoch towards us and is served again. A peer silent past
+  `Timing.dead_after_s` is declared dead: its rooms are lost with reason "peer dead", its incarnation fenced,
+  and it is pruned from the table (and from every broadcast);
+- retries (R4) through `Retrier`, heartbeats both ways every `Timing.heartbeat_s`, room deadlines;
+- counters (`EndpointStats`) and the bounded fence and closed-room records (R10).
+
+Subclasses implement the room state machines through the hooks marked "subclass". Pure: no I/O, clock or
+randomness; `now` always comes from the caller. Called by decode.py and prefill.py.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from kvstage.errors import ProtocolError
+from kvstage.protocol import reasons
+from kvstage.protocol.actions import Action, FencePeer, Send
+from kvstage.protocol.codec import Codec
+from kvstage.protocol.config import Limits, Timing
+from kvstage.protocol.events import (
+    Completion,
+    Event,
+    Received,
+    ReceivedFrame,
+    SendFailed,
+    Tick,
+)
+from kvstage.protocol.messages import (
+    PROTOCOL_VERSION,
+    Body,
+    Envelope,
+    Fenced,
+    Heartbeat,
+    RoomBody,
+    WireWatermark,
+)
+from kvstage.protocol.stats import EndpointStats
+from kvstage.protocol.timers import DeadlineQueue, Retrier
+from kvstage.ring import Watermark
+
+Incarnation = tuple[int, int]
+
+
+@dataclass(slots=True, eq=False)
+class Peer:
+    """What this endpoint knows about one remote endpoint."""
+
+    peer_id: str
+    incarnation: Incarnation | None  # None until the first frame from it arrives
+    last_heard: float
+    rooms: dict[int, None] = field(default_factory=dict)  # rooms that still need this peer (ordered set)
+    watermark: Watermark | None = None  # prefill side: highest watermark seen from this decode peer
+    parked: dict[tuple[int, int], None] = field(default_factory=dict)  # prefill side: (room, chunk) parked
+    frames: int = 0  # frames admitted from it (1 while handling the first one)
+
+
+class BoundedRecord(OrderedDict[Any, Any]):
+    """An insertion-ordered map that forgets its oldest entries beyond `cap` (bounded tombstones)."""
+
+    def __init__(self, cap: int) -> None:
+        super().__init__()
+        self.cap = cap
+
+    def remember(self, key: Any, value: Any) -> None:
+        self[key] = value
+        self.move_to_end(key)
+        while len(self) > self.cap:
+            self.popitem(last=False)
+
+
+class EndpointCore:
+    """Side-independent machinery; see the module docstring. Not used directly."""
+
+    ROLE: ClassVar[str] = "endpoint"
+
+    def __init__(self, peer_id: str, session: int, timing: Timing, limits: Limits, codec: Codec | None) -> None:
+        if not 0 <= session <= 2**63 - 1:
+            raise ValueError(f"session must be in 0..2**63-1, got {session}")
+        self.peer_id = peer_id
+        self.session = session
+        self.timing = timing
+        self.limits = limits
+        self.codec = codec if codec is not None else Codec()
+        self.stats = EndpointStats()
+        self._peers: dict[str, Peer] = {}
+        self._fenced = BoundedRecord(limits.max_peers)  # peer id -> highest fenced Incarnation
+        self._epochs = BoundedRecord(limits.max_peers)  # peer id -> our epoch towards it (0 if absent)
+        self._closed = BoundedRecord(limits.max_closed_rooms)  # room -> failure reason, or None if it succeeded
+        self._retrier = Retrier(timing.retry_initial_s, timing.retry_max_s)
+        self._deadlines = DeadlineQueue()
+        self._next_heartbeat: float | None = None
+        self._next_token = 0
+        self._seq = 0
+        self._now = 0.0
+        self._out: list[Action] = []
+        self._timer: float | None = None
+        self._timer_stale = True
+        self._event_handlers: dict[type, Callable[[Any], None]] = {
+            Received: self._on_received,
+            ReceivedFrame: self._on_frame,
+            Completion: self._on_completion,
+            SendFailed: self._on_send_failed,
+            Tick: self._on_tick,
+        }
+        self._body_handlers: dict[type, Callable[[Peer, Any], None]] = {}
+
+    # ---- public API -------------------------------------------------------------------------------------------
+    def handle(self, event: Event, now: float) -> list[Action]:
+        """Apply `event` at time `now`; return the actions to carry out, in order."""
+        self._now = now
+        out = self._out = []
+        handler = self._event_handlers.get(type(event))
+        if handler is None:
+            raise TypeError(f"{type(self).__name__} does not handle {type(event).__name__}")
+        self._timer_stale = True
+        handler(event)
+        self._after_event()
+        return out
+
+    def tick(self, now: float) -> list[Action]:
+        """Run whatever timers are due at `now` (same as `handle(Tick(), now)`)."""
+        return self.handle(Tick(), now)
+
+    def next_timer(self) -> float | None:
+        """Earliest time at which `tick` has work, or None if nothing is scheduled (cached until the next event)."""
+        if self._timer_stale:
+            earliest = self._next_heartbeat
+            for timer in (self._retrier.next_due(), self._next_deadline()):
+                if timer is not None and (earliest is None or timer < earliest):
+                    earliest = timer
+            self._timer = earliest
+            self._timer_stale = False
+        return self._timer
+
+    def peers(self) -> frozenset[str]:
+        """Peer ids currently tracked (live or not yet declared dead)."""
+        return frozenset(self._peers)
+
+    def pending_retries(self) -> int:
+        """Requests still waiting for their answer."""
+        return len(self._retrier)
+
+    def rooms_with_timers(self) -> frozenset[int]:
+        """Rooms with an outstanding retry or a live deadline (Q1: none of them may be a forgotten room)."""
+        live_deadlines = {room for when, room in self._deadlines.entries() if self._deadline_live(when, room)}
+        return self._retrier.rooms() | live_deadlines
+
+    # ---- subclass hooks ---------------------------------------------------------------------------------------
+    def _peer_lost(self, peer: Peer, room: int, reason: str) -> None:
+        """subclass: `peer` (or the incarnation of it that `room` used) is gone; settle `room` with `reason`.
+
+        Called for each room in `peer.rooms`; the subclass removes the room from `peer.rooms` once the room no
+        longer needs that peer."""
+        raise NotImplementedError
+
+    def _on_deadline(self, when: float, room: int) -> None:
+        """subclass: the alarm set for `room` at `when` fired."""
+        raise NotImplementedError
+
+    def _on_token(self, token: int, ok: bool, reason: str) -> None:
+        """subclass: the action carrying `token` completed."""
+        raise NotImplementedError
+
+    def _fail_by_id(self, room: int, reason: str) -> None:
+        """subclass: fail `room` if it is still active (used for SendFailed)."""
+        raise NotImplementedError
+
+    def _watermark(self) -> WireWatermark | None:
+        """subclass (decode): the watermark every outgoing envelope carries."""
+        return None
+
+    def _on_new_incarnation(self, peer: Peer) -> None:
+        """subclass: a peer (re)appeared with a new incarnation (decode: send it the watermark at once)."""
+
+    def _on_envelope_watermark(self, peer: Peer, watermark: WireWatermark) -> None:
+        """subclass (prefill): an inbound envelope carried a watermark."""
+
+    def _after_event(self) -> None:
+        """subclass: runs after every event (decode: broadcast a moved watermark)."""
+
+    # ---- sending ----------------------------------------------------------------------------------------------
+    def _send(self, peer_id: str, body: Body) -> None:
+        self._seq += 1
+        envelope = Envelope(
+            version=PROTOCOL_VERSION,
+            sender=self.peer_id,
+            session=self.session,
+            epoch=self._epochs.get(peer_id, 0),
+            seq=self._seq,
+            watermark=self._watermark(),
+            body=body,
+        )
+        self._out.append(Send(peer_id, envelope))
+
+    def _request(self, kind: str, peer_id: str, body: RoomBody, chunk: int = 0) -> None:
+        """Send a request-type `body` now and keep re-sending it with backoff until `_answered` stops it."""
+        self._send(peer_id, body)
+        self._retrier.start((kind, peer_id, body.room, chunk), peer_id, body, self._now)
+
+    def _answered(self, kind: str, peer_id: str, room: int, chunk: int = 0) -> bool:
+        return self._retrier.stop((kind, peer_id, room, chunk))
+
+    def _new_token(self) -> int:
+        self._next_token += 1
+        return self._next_token
+
+    # ---- peers ------------------------------------------------------------------------------------------------
+    def _ensure_peer(self, peer_id: str) -> Peer:
+        """The peer entry for `peer_id`, created (heard from 'now') if the local engine names a new one."""
+        peer = self._peers.get(peer_id)
+        if peer is None:
+            peer = self._peers[peer_id] = Peer(peer_id, None, self._now)
+            if self._next_heartbeat is None:
+                self._next_heartbeat = self._now + self.timing.heartbeat_s
+        return peer
+
+    def _admit(self, envelope: Envelope) -> Peer | None:
+        """The sending peer if `envelope` comes from a live incarnation; None (dropped, counted) otherwise."""
+        peer_id = envelope.sender
+        incarnation = (envelope.session, envelope.epoch)
+        fence = self._fenced.get(peer_id)
+        if fence is not None and incarnation <= fence:
+            self.stats.stale_dropped += 1
+            if not isinstance(envelope.body, Fenced):
+                self._send(peer_id, Fenced(session=envelope.session, epoch=envelope.epoch))
+            return None
+        peer = self._peers.get(peer_id)
+        if peer is None:
+            if len(self._peers) >= self.limits.max_peers:
+                self.stats.reject("too many peers")
+                return None
+            peer = self._ensure_peer(peer_id)
+        if peer.incarnation is None or incarnation > peer.incarnation:
+            if peer.incarnation is not None:
+                self.stats.peers_restarted += 1
+                self._fence(peer, reasons.PEER_RESTARTED)
+            peer.incarnation = incarnation
+            peer.watermark = None
+            self._on_new_incarnation(peer)
+        elif incarnation < peer.incarnation:
+            self.stats.stale_dropped += 1
+            return None
+        peer.last_heard = self._now
+        peer.frames += 1
+        return peer
+
+    def _fence(self, peer: Peer, reason: str) -> None:
+        """`peer`'s current incarnation is gone: fence it (if it was ever heard) and settle its rooms."""
+        if peer.incarnation is not None:
+            previous = self._fenced.get(peer.peer_id)
+            self._fenced.remember(peer.peer_id, max(previous, peer.incarnation) if previous else peer.incarnation)
+            self._out.append(FencePeer(peer.peer_id, *peer.incarnation))
+        for room in list(peer.rooms):
+            self._peer_lost(peer, room, reason)
+
+    def _check_liveness(self) -> None:
+        """R8: a peer silent past dead_after_s is dead; with rooms it is fenced, in any case it is pruned."""
+        deadline = self._now - self.timing.dead_after_s
+        for peer in [p for p in self._peers.values() if p.last_heard < deadline]:
+            if peer.rooms:
+                self.stats.peers_dead += 1
+                self._fence(peer, reasons.PEER_DEAD)
+            del self._peers[peer.peer_id]
+
+    # ---- event handlers ---------------------------------------------------------------------------------------
+    def _on_frame(self, event: ReceivedFrame) -> None:
+        try:
+            envelope = self.codec.decode(event.frame)
+        except ProtocolError:
+            self.stats.frames_rejected += 1
+            return
+        self._on_received(Received(envelope))
+
+    def _on_received(self, event: Received) -> None:
+        envelope = event.envelope
+        if envelope.version != PROTOCOL_VERSION:
+            self.stats.frames_rejected += 1
+            return
+        if isinstance(envelope.body, Fenced):
+            self._on_fenced(envelope.sender, envelope.body)  # about our own incarnation: no admission needed
+            return
+        peer = self._admit(envelope)
+        if peer is None:
+            return
+        if envelope.watermark is not None:
+            self._on_envelope_watermark(peer, envelope.watermark)
+        body = envelope.body
+        handler = self._body_handlers.get(type(body))
+        if handler is None:
+            if not isinstance(body, Heartbeat):
+                self.stats.reject(f"unexpected {type(body).__name__} at {self.ROLE}")
+            return
+        handler(peer, body)
+
+    def epoch_towards(self, peer_id: str) -> int:
+        """Our epoch towards `peer_id` (the second half of our incarnation on envelopes to it)."""
+        return int(self._epochs.get(peer_id, 0))
+
+    def _on_fenced(self, peer_id: str, body: Fenced) -> None:
+        """The peer declared our incarnation towards it dead: lose our rooms with it, start a new epoch.
+
+        Handled even when we have fenced that peer ourselves (two sides of a healed partition), otherwise neither
+        side would ever start a new epoch."""
+        epoch = self.epoch_towards(peer_id)
+        if (body.session, body.epoch) != (self.session, epoch):
+            self.stats.stale_dropped += 1
+            return
+        self._epochs.remember(peer_id, epoch + 1)
+        peer = self._peers.get(peer_id)
+        if peer is not None:
+            for room in list(peer.rooms):
+                self._peer_lost(peer, room, reasons.FENCED_BY_PEER)
+        self._send(peer_id, Heartbeat())
+
+    def _on_completion(self, event: Completion) -> None:
+        self._on_token(event.token, event.ok, event.reason)
+
+    def _on_send_failed(self, event: SendFailed) -> None:
+        self.stats.sends_failed += 1
+        body = event.envelope.body
+        if isinstance(body, RoomBody):
+            self._fail_by_id(body.room, reasons.SEND_FAILED)
+
+    def _on_tick(self, event: Tick) -> None:
+        now = self._now
+        for peer_id, body in self._retrier.pop_due(now):
+            self.stats.retries += 1
+            self._send(peer_id, body)
+        for when, room in self._deadlines.pop_due(now):
+            self._on_deadline(when, room)
+        if self._next_heartbeat is not None and now >= self._next_heartbeat:
+            self._check_liveness()
+            for peer_id in self._peers:
+                self._send(peer_id, Heartbeat())
+            self._next_heartbeat = now + self.timing.heartbeat_s if self._peers else None
+
+    # ---- deadlines --------------------------------------------------------------------------------------------
+    def _deadline_live(self, when: float, room: int) -> bool:
+        """subclass: whether the alarm (when, room) still matters (stale ones are purged lazily)."""
+        raise NotImplementedError
+
+    def _next_deadline(self) -> float | None:
+        while (head := self._deadlines.peek()) is not None:
+            if self._deadline_live(*head):
+                return head[0]
+            self._deadlines.discard_head()
+        return None

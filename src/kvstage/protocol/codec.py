@@ -1,0 +1,61 @@
+"""Frame encoding and bounded, validating decoding of `Envelope`s (msgpack via msgspec).
+
+Owns: the byte format of a frame and the first line of defence against hostile or broken input. `decode`
+rejects, with `ProtocolError`, a frame larger than `max_frame_bytes`, bytes that are not msgpack, a value of
+the wrong type, a field outside its `Meta` bounds (see messages.py), an unknown body tag, extra fields, and a
+protocol version other than `PROTOCOL_VERSION`. It never raises anything else and never allocates more than
+the frame's own size allows.
+
+Called by: the endpoints (`ReceivedFrame` events, counted as rejected frames), runtime/ (encode before a
+socket send) and sim/ (optionally round-trips every message through bytes).
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+import msgspec
+
+from kvstage.errors import ProtocolError
+from kvstage.protocol.messages import PROTOCOL_VERSION, Envelope
+
+#: Default bound on one frame. The largest legitimate frame is a direct-path Metadata with one page id per
+#: page of a very long prompt (MAX_PAGES ids of up to 6 bytes each, about 12 MiB).
+DEFAULT_MAX_FRAME_BYTES: Final = 16 * 2**20
+
+
+class Codec:
+    """Encodes envelopes to msgpack frames and decodes frames back, enforcing every bound."""
+
+    __slots__ = ("_decoder", "_encoder", "max_frame_bytes")
+
+    def __init__(self, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> None:
+        if max_frame_bytes <= 0:
+            raise ValueError(f"max_frame_bytes must be positive, got {max_frame_bytes}")
+        self.max_frame_bytes = max_frame_bytes
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(Envelope)
+
+    def encode(self, envelope: Envelope) -> bytes:
+        """The frame of `envelope`; `ProtocolError` if it would exceed `max_frame_bytes`."""
+        frame = self._encoder.encode(envelope)
+        if len(frame) > self.max_frame_bytes:
+            raise ProtocolError(f"frame of {len(frame)} bytes exceeds max_frame_bytes={self.max_frame_bytes}")
+        return frame
+
+    def decode(self, frame: bytes | bytearray | memoryview) -> Envelope:
+        """The envelope in `frame`; `ProtocolError` for anything malformed, out of bounds or of another version."""
+        if len(frame) > self.max_frame_bytes:
+            raise ProtocolError(f"frame of {len(frame)} bytes exceeds max_frame_bytes={self.max_frame_bytes}")
+        try:
+            envelope = self._decoder.decode(frame)
+        except msgspec.ValidationError as exc:
+            raise ProtocolError(f"invalid frame: {exc}") from exc
+        except msgspec.DecodeError as exc:
+            raise ProtocolError(f"undecodable frame: {exc}") from exc
+        if envelope.version != PROTOCOL_VERSION:
+            raise ProtocolError(
+                f"frame has protocol version {envelope.version}, this endpoint speaks {PROTOCOL_VERSION}; "
+                "upgrade both sides to the same kvstage version"
+            )
+        return envelope

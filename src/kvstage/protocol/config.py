@@ -1,0 +1,117 @@
+"""Static configuration of the protocol endpoints: timing, caps, and each side's identity and layout.
+
+Owns: `Timing` (heartbeats, liveness, retry backoff), `Limits` (per-peer caps that keep state bounded, R10),
+`DecodeConfig` and `PrefillConfig`. Validation happens here, at construction, so an endpoint never starts
+with a configuration it cannot serve (R12: staging requires `validate_staging_config` to pass).
+
+Called by: runtime/ and sim/ (build), decode.py / prefill.py (read). Pure values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from kvstage.errors import ConfigError
+from kvstage.layout import KVLayout, heads_of_rank, validate_staging_config
+from kvstage.protocol.messages import MAX_CHUNKS, MAX_PEER_ID_LEN, MAX_TP
+
+
+@dataclass(frozen=True, slots=True)
+class Timing:
+    """Seconds, in the caller's clock. Defaults suit one host or one rack; every value must be positive."""
+
+    heartbeat_s: float = 0.5  # both directions; decode heartbeats also carry the watermark (R4, R8)
+    dead_after_s: float = 5.0  # a peer silent this long is dead (R8)
+    retry_initial_s: float = 0.05  # first retry of an unanswered request (R4)
+    retry_max_s: float = 1.0  # backoff doubles up to this
+
+    def __post_init__(self) -> None:
+        for name in ("heartbeat_s", "dead_after_s", "retry_initial_s", "retry_max_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"Timing.{name} must be positive, got {getattr(self, name)!r}")
+        if self.dead_after_s <= self.heartbeat_s:
+            raise ConfigError(
+                f"Timing.dead_after_s={self.dead_after_s} must exceed heartbeat_s={self.heartbeat_s}, "
+                "or live peers are declared dead between two heartbeats"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """Caps that bound every table an inbound message could grow (R10, B1)."""
+
+    max_peers: int = 1024  # peers known at once (live ones plus fence records)
+    max_rooms_per_peer: int = 4096  # open rooms shared with one peer (prefill: incl. metadata not attached yet)
+    max_chunks_ahead: int = 4  # per (room, decode rank): chunks requested but not yet written (R11); this also
+    # bounds parked chunks per peer to max_rooms_per_peer * max_chunks_ahead (R9, R10)
+    max_closed_rooms: int = 65536  # remembered recently closed rooms (answers "room closed" instead of "unknown")
+
+    def __post_init__(self) -> None:
+        for name in ("max_peers", "max_rooms_per_peer", "max_chunks_ahead", "max_closed_rooms"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ConfigError(f"Limits.{name} must be a positive integer, got {value!r}")
+
+
+def _check_identity(peer_id: str, tp_size: int, rank: int, layout: KVLayout) -> None:
+    if not 0 < len(peer_id) <= MAX_PEER_ID_LEN:
+        raise ConfigError(f"peer_id must have 1..{MAX_PEER_ID_LEN} characters, got {peer_id!r}")
+    if not 1 <= tp_size <= MAX_TP:
+        raise ConfigError(f"tp_size={tp_size} must be in 1..{MAX_TP}")
+    heads_of_rank(layout.num_kv_heads, tp_size, rank)  # raises ConfigError for a bad (H, tp, rank)
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeConfig:
+    """One decode rank: `rank` of a TP group of `tp_size`, its ring of `ring_bytes`, and the chunk grid.
+
+    `attention="mla"` makes every room take the direct path (MLA's latent KV is identical on every rank);
+    otherwise `validate_staging_config` must pass, because rooms with different TP sizes stage (R12)."""
+
+    peer_id: str
+    layout: KVLayout
+    tp_size: int
+    rank: int
+    chunk_tokens: int
+    ring_bytes: int
+    ring_alignment: int = 1
+    attention: Literal["mha", "gqa", "mla"] = "gqa"
+    timing: Timing = field(default_factory=Timing)
+    limits: Limits = field(default_factory=Limits)
+
+    def __post_init__(self) -> None:
+        _check_identity(self.peer_id, self.tp_size, self.rank, self.layout)
+        if self.attention != "mla":
+            validate_staging_config(
+                chunk_tokens=self.chunk_tokens, page_size=self.layout.page_size, attention=self.attention
+            )
+        elif self.chunk_tokens <= 0 or self.chunk_tokens % self.layout.page_size:
+            raise ConfigError(
+                f"chunk_tokens={self.chunk_tokens} must be a positive multiple of "
+                f"page_size={self.layout.page_size}; it is the notification grain of the direct path"
+            )
+        if self.ring_bytes <= 0 or self.ring_alignment <= 0 or self.ring_bytes % self.ring_alignment:
+            raise ConfigError(
+                f"ring_bytes={self.ring_bytes} must be a positive multiple of ring_alignment={self.ring_alignment}"
+            )
+
+    @property
+    def max_room_tokens(self) -> int:
+        """Longest uncached suffix a room may have: MAX_CHUNKS grid slots."""
+        return MAX_CHUNKS * self.chunk_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillConfig:
+    """One prefill rank: `rank` of a TP group of `tp_size`. The chunk grid comes from each room's Metadata."""
+
+    peer_id: str
+    layout: KVLayout
+    tp_size: int
+    rank: int
+    timing: Timing = field(default_factory=Timing)
+    limits: Limits = field(default_factory=Limits)
+
+    def __post_init__(self) -> None:
+        _check_identity(self.peer_id, self.tp_size, self.rank, self.layout)

@@ -1,0 +1,544 @@
+"""DecodeEndpoint: the sans-I/O state machine of one decode rank, owner of its StagingRing.
+
+Owns the decode side of every room this rank receives: registration (before announcing, R2), grants from the
+ring (one allocation per chunk, shared by the chunk's writers), arrival counting per chunk and writer, scatter,
+completion by arrival (R5), and release on every terminal path (R1) with quarantine until no write can land
+(R6). It serves many prefill peers and many rooms at once; rooms may mix TP pairs and paths (R12).
+
+Room states (a room is forgotten, and remembered in a bounded closed-room record, after its last state):
+
+| state       | on                                        | actions                                 | next        |
+|-------------|-------------------------------------------|-----------------------------------------|-------------|
+| (none)      | ExpectRoom                                | Send Metadata to each writer (retried)  | ACTIVE      |
+| ACTIVE      | StagingRequest(chunk) from a writer       | allocate once per chunk; Send Grant     | ACTIVE      |
+| ACTIVE      | ChunkReady(chunk, epoch) of every writer  | staged: Scatter; direct: chunk done     | ACTIVE      |
+| ACTIVE      | Completion(scatter, ok), last chunk       | ring.free; RoomSucceeded                | (forgotten) |
+| ACTIVE      | AbortRoom, writer's Abort, deadline, peer | RoomFailed(reason); Send Abort to the   | FENCING or  |
+|             | lost, scatter/send failure, oversized     | other writers (retried); FenceScatter   | QUARANTINED |
+|             |                                           | if a scatter of the room is in flight   |             |
+| FENCING     | Completion(fence)                         | staged: FreePages                       | QUARANTINED |
+| QUARANTINED | every granted writer confirmed (AbortAck, | ring.free of the room's regions;        | QUARANTINED |
+|             | its Abort, or its incarnation fenced)     | direct: FreePages                       |             |
+| QUARANTINED | every writer confirmed                    | forget                                  | (forgotten) |
+
+`_TRANSITIONS` below is this table's state graph; `_move` refuses any other transition.
+
+Inbound checks (R10, B1): a message for an unknown room allocates nothing and is answered (GrantRefused
+"unknown room"/"room closed", ChunkAck, AbortAck); the sender must be a writer of the room; chunk indices
+must be < the room's chunk count; ChunkReady epochs must match the grant (R7, else dropped and counted).
+
+Invariants kept: a chunk's ring region is freed exactly once, after its scatter completed or after the room
+was fenced and every granted writer confirmed; KV pages are returned exactly once, on failure only, after
+the scatter fence (staged) or the writers' confirmation (direct); the watermark rides on every envelope and is
+broadcast to peers with open rooms whenever it moves. Called by runtime/ and sim/.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from kvstage.errors import ConfigError, InvalidRequest, StagingOversized
+from kvstage.layout import StagingPlan
+from kvstage.protocol import reasons
+from kvstage.protocol.actions import FenceScatter, FreePages, RoomFailed, RoomSucceeded, Scatter
+from kvstage.protocol.base import EndpointCore, Peer
+from kvstage.protocol.codec import Codec
+from kvstage.protocol.config import DecodeConfig
+from kvstage.protocol.events import AbortRoom, ExpectRoom
+from kvstage.protocol.messages import (
+    DIRECT,
+    MAX_CHUNKS,
+    Abort,
+    AbortAck,
+    ChunkAck,
+    ChunkReady,
+    Grant,
+    GrantRefused,
+    Heartbeat,
+    Metadata,
+    MetadataAck,
+    Path,
+    StagingRequest,
+    WireWatermark,
+)
+from kvstage.protocol.plans import choose_path, staging_plan
+from kvstage.ring import Allocation, StagingRing
+
+
+class DecodeRoomState(enum.Enum):
+    ACTIVE = "active"
+    FENCING = "fencing"  # failed; waiting for the FenceScatter completion
+    QUARANTINED = "quarantined"  # failed and fenced; waiting until no write can land, then for every ack
+
+
+_TRANSITIONS: frozenset[tuple[DecodeRoomState, DecodeRoomState]] = frozenset(
+    {
+        (DecodeRoomState.ACTIVE, DecodeRoomState.FENCING),
+        (DecodeRoomState.ACTIVE, DecodeRoomState.QUARANTINED),
+        (DecodeRoomState.FENCING, DecodeRoomState.QUARANTINED),
+    }
+)
+
+
+def _move(r: _Room, new: DecodeRoomState) -> None:
+    if (r.state, new) not in _TRANSITIONS:
+        raise AssertionError(f"room {r.room}: no transition {r.state.value} -> {new.value}")
+    r.state = new
+
+
+@dataclass(slots=True, eq=False)
+class _Chunk:
+    region: Allocation | None = None  # staged: the chunk's ring region until freed
+    arrived: int = 0  # bitmask over the room's writer slots
+    scattering: bool = False
+    done: bool = False
+
+
+@dataclass(slots=True, eq=False)
+class _Room:
+    room: int
+    path: Path
+    prefill_tp: int
+    writers: dict[str, int]  # writer peer id -> slot (bit index)
+    num_tokens: int
+    prefix_tokens: int
+    num_chunks: int
+    pages: tuple[int, ...]
+    deadline: float
+    epoch: int  # direct path: the epoch every grant and ChunkReady of this room carries
+    plan_full: StagingPlan
+    plan_last: StagingPlan
+    state: DecodeRoomState = DecodeRoomState.ACTIVE
+    reason: str | None = None  # why it failed
+    chunks: dict[int, _Chunk] = field(default_factory=dict)
+    done_chunks: int = 0
+    scatters_in_flight: int = 0
+    granted: dict[str, None] = field(default_factory=dict)  # writers ever sent a grant (they may write)
+    confirmed: dict[str, None] = field(default_factory=dict)  # writers known to write nothing more
+    bound: dict[str, tuple[int, int]] = field(default_factory=dict)  # writer -> incarnation that served the room
+    pages_returned: bool = False
+    regions_freed: bool = False
+
+    @property
+    def all_writers(self) -> int:
+        return (1 << len(self.writers)) - 1
+
+    def plan(self, chunk: int) -> StagingPlan:
+        return self.plan_last if chunk == self.num_chunks - 1 else self.plan_full
+
+    def unconfirmed(self) -> list[str]:
+        return [w for w in self.writers if w not in self.confirmed]
+
+    def unsafe(self) -> bool:
+        """True while a granted writer has not confirmed that none of its writes can still land."""
+        return any(w not in self.confirmed for w in self.granted)
+
+
+class DecodeEndpoint(EndpointCore):
+    """One decode rank. `handle(event, now) -> list[Action]`; see kvstage.protocol for the API."""
+
+    ROLE = "decode"
+
+    def __init__(
+        self, config: DecodeConfig, session: int, *, ring: StagingRing | None = None, codec: Codec | None = None
+    ) -> None:
+        super().__init__(config.peer_id, session, config.timing, config.limits, codec)
+        self.config = config
+        self._ring = ring if ring is not None else StagingRing(config.ring_bytes, config.ring_alignment)
+        self._rooms: dict[int, _Room] = {}
+        self._tokens: dict[int, tuple[int, int]] = {}  # token -> (room, chunk); chunk -1 is the room's fence
+        self._room_epoch = 0
+        self._wm_sent = self._ring.watermark
+        self._wm_wire = WireWatermark(self._wm_sent.round, self._wm_sent.tail)
+        self._event_handlers[ExpectRoom] = self._on_expect
+        self._event_handlers[AbortRoom] = self._on_abort_room
+        self._body_handlers.update(
+            {
+                MetadataAck: self._on_metadata_ack,
+                StagingRequest: self._on_staging_request,
+                ChunkReady: self._on_chunk_ready,
+                Abort: self._on_abort,
+                AbortAck: self._on_abort_ack,
+            }
+        )
+
+    # ---- introspection ----------------------------------------------------------------------------------------
+    @property
+    def ring(self) -> StagingRing:
+        """The staging ring (read it only)."""
+        return self._ring
+
+    def open_rooms(self) -> frozenset[int]:
+        return frozenset(self._rooms)
+
+    def room_state(self, room: int) -> DecodeRoomState | None:
+        r = self._rooms.get(room)
+        return None if r is None else r.state
+
+    def is_quiescent(self) -> bool:
+        return not self._rooms and not self._tokens and not len(self._retrier) and self._ring.num_live == 0
+
+    # ---- engine events ----------------------------------------------------------------------------------------
+    def _on_expect(self, event: ExpectRoom) -> None:
+        """R2: register the room first, then announce it to each writer."""
+        r = self._register(event)
+        self.stats.rooms_opened += 1
+        for peer_id in r.writers:
+            self._ensure_peer(peer_id).rooms[r.room] = None
+        self._deadlines.push(r.deadline, r.room)
+        largest = r.plan_full if r.num_chunks > 1 else r.plan_last
+        if r.path != DIRECT and largest.total_bytes > self._ring.capacity_bytes:
+            self._fail(r, reasons.STAGING_OVERSIZED)  # R3: at once, no fallback to another path
+            return
+        ttl = max(0.0, r.deadline - self._now)
+        for peer_id, slot in r.writers.items():
+            metadata = Metadata(
+                room=r.room,
+                decode_rank=self.config.rank,
+                decode_tp=self.config.tp_size,
+                prefill_tp=r.prefill_tp,
+                num_tokens=r.num_tokens,
+                prefix_tokens=r.prefix_tokens,
+                chunk_tokens=self.config.chunk_tokens,
+                page_size=self.config.layout.page_size,
+                path=r.path,
+                epoch=r.epoch,
+                ttl_s=ttl,
+                pages=r.pages if r.path == DIRECT else (),
+                ring_bytes=0 if r.path == DIRECT else self._ring.capacity_bytes,
+            )
+            self._request("meta", peer_id, metadata, slot)
+
+    def _register(self, event: ExpectRoom) -> _Room:
+        cfg = self.config
+        page_size = cfg.layout.page_size
+        if event.room in self._rooms or event.room in self._closed:
+            raise InvalidRequest(f"room {event.room} is already registered on {cfg.peer_id}; room ids are unique")
+        prefill_tp = len(event.prefill_peers)
+        if prefill_tp < 1 or len(set(event.prefill_peers)) != prefill_tp:
+            raise InvalidRequest(f"room {event.room}: prefill_peers must be distinct peer ids, one per prefill rank")
+        if not 0 <= event.prefix_tokens < event.num_tokens or event.prefix_tokens % page_size:
+            raise InvalidRequest(
+                f"room {event.room}: prefix_tokens={event.prefix_tokens} must be a multiple of page_size="
+                f"{page_size} below num_tokens={event.num_tokens}"
+            )
+        if len(event.pages) != -(-event.num_tokens // page_size):
+            raise InvalidRequest(
+                f"room {event.room}: {len(event.pages)} pages given, {-(-event.num_tokens // page_size)} needed "
+                f"for {event.num_tokens} tokens at page_size={page_size}"
+            )
+        num_chunks = -(-(event.num_tokens - event.prefix_tokens) // cfg.chunk_tokens)
+        if num_chunks > MAX_CHUNKS:
+            raise InvalidRequest(f"room {event.room}: {num_chunks} chunks exceed the protocol bound {MAX_CHUNKS}")
+        try:
+            plan_full = staging_plan(cfg.layout, prefill_tp, cfg.tp_size, cfg.rank, cfg.chunk_tokens)
+            last_tokens = event.num_tokens - event.prefix_tokens - (num_chunks - 1) * cfg.chunk_tokens
+            plan_last = staging_plan(cfg.layout, prefill_tp, cfg.tp_size, cfg.rank, last_tokens)
+        except ConfigError as exc:
+            raise InvalidRequest(f"room {event.room}: prefill TP {prefill_tp} cannot feed this rank: {exc}") from exc
+        self._room_epoch += 1
+        r = _Room(
+            room=event.room,
+            path=choose_path(cfg.attention, prefill_tp, cfg.tp_size),
+            prefill_tp=prefill_tp,
+            writers={event.prefill_peers[rank]: slot for slot, rank in enumerate(plan_full.writers)},
+            num_tokens=event.num_tokens,
+            prefix_tokens=event.prefix_tokens,
+            num_chunks=num_chunks,
+            pages=event.pages,
+            deadline=event.deadline,
+            epoch=self._room_epoch,
+            plan_full=plan_full,
+            plan_last=plan_last,
+        )
+        self._rooms[r.room] = r
+        return r
+
+    def _on_abort_room(self, event: AbortRoom) -> None:
+        r = self._rooms.get(event.room)
+        if r is None:
+            if event.room not in self._closed:
+                raise InvalidRequest(f"room {event.room} is not known on {self.peer_id}")
+            return
+        self._fail(r, reasons.ABORTED_BY_DECODE)
+
+    # ---- inbound messages -------------------------------------------------------------------------------------
+    def _writer_room(self, peer: Peer, room: int, what: str) -> _Room | None:
+        """The room if `peer` is one of its writers (binding the room to the peer's incarnation); otherwise None
+        (rejected and counted)."""
+        r = self._rooms.get(room)
+        if r is None:
+            return None
+        if peer.peer_id not in r.writers:
+            self.stats.reject(f"{what} from a non-writer")
+            return None
+        self._bind(r, peer)
+        return r
+
+    @staticmethod
+    def _bind(r: _Room, peer: Peer) -> None:
+        """The first incarnation of a writer that speaks about a room serves it; a restart fails only bound rooms."""
+        if peer.peer_id not in r.bound and peer.incarnation is not None:
+            r.bound[peer.peer_id] = peer.incarnation
+
+    def _on_metadata_ack(self, peer: Peer, body: MetadataAck) -> None:
+        r = self._writer_room(peer, body.room, "MetadataAck")
+        if r is not None and not self._answered("meta", peer.peer_id, r.room, r.writers[peer.peer_id]):
+            self.stats.duplicates += 1
+
+    def _refuse(self, peer: Peer, body: StagingRequest, reason: str) -> None:
+        self.stats.refusals_sent += 1
+        self._send(peer.peer_id, GrantRefused(room=body.room, chunk=body.chunk, reason=reason))
+
+    def _on_staging_request(self, peer: Peer, body: StagingRequest) -> None:
+        r = self._rooms.get(body.room)
+        if r is None:
+            closed = body.room in self._closed
+            if not closed:
+                self.stats.reject("unknown room")
+            self._refuse(peer, body, reasons.ROOM_CLOSED if closed else reasons.UNKNOWN_ROOM)
+            return
+        slot = r.writers.get(peer.peer_id)
+        if slot is None or body.chunk >= r.num_chunks:
+            self.stats.reject("staging request from a non-writer" if slot is None else "chunk index out of range")
+            self._refuse(peer, body, reasons.PROTOCOL_VIOLATION)
+            return
+        if r.state is not DecodeRoomState.ACTIVE:
+            self._refuse(peer, body, reasons.ROOM_CLOSED)
+            return
+        self._bind(r, peer)
+        self._answered("meta", peer.peer_id, r.room, slot)  # a request proves the metadata arrived
+        chunk = r.chunks.get(body.chunk)
+        if chunk is None:
+            chunk = r.chunks[body.chunk] = _Chunk()
+        if chunk.done:
+            self.stats.duplicates += 1  # its writers all wrote and were acked; nothing is owed
+            return
+        if r.path == DIRECT:
+            grant = Grant(room=r.room, chunk=body.chunk, round=0, offset=0, end=0, epoch=r.epoch)
+        else:
+            if chunk.region is None:
+                chunk.region = self._allocate(r, body.chunk)
+                if chunk.region is None:
+                    return
+            region = chunk.region
+            grant = Grant(
+                room=r.room,
+                chunk=body.chunk,
+                round=region.round,
+                offset=region.offset,
+                end=region.end,
+                epoch=region.epoch,
+            )
+        r.granted[peer.peer_id] = None
+        self._send(peer.peer_id, grant)
+
+    def _allocate(self, r: _Room, chunk: int) -> Allocation | None:
+        try:
+            return self._ring.allocate(r.plan(chunk).total_bytes)
+        except StagingOversized:
+            self._fail(r, reasons.STAGING_OVERSIZED)
+            return None
+
+    def _on_chunk_ready(self, peer: Peer, body: ChunkReady) -> None:
+        r = self._rooms.get(body.room)
+        if r is None:
+            if body.room not in self._closed:
+                self.stats.reject("unknown room")
+            else:
+                self.stats.duplicates += 1
+            self._send(peer.peer_id, ChunkAck(room=body.room, chunk=body.chunk))  # stop its retries; no state
+            return
+        slot = r.writers.get(peer.peer_id)
+        if slot is None or body.chunk >= r.num_chunks:
+            self.stats.reject("chunk ready from a non-writer" if slot is None else "chunk index out of range")
+            return
+        if r.state is not DecodeRoomState.ACTIVE:
+            self.stats.stale_dropped += 1  # our Abort to this writer is being retried
+            return
+        self._bind(r, peer)
+        chunk = r.chunks.get(body.chunk)
+        expected = r.epoch if r.path == DIRECT else (chunk.region.epoch if chunk and chunk.region else None)
+        bit = 1 << slot
+        if chunk is None or (not chunk.done and body.epoch != expected):
+            self.stats.stale_dropped += 1  # R7: never granted, or another grant's epoch
+            return
+        self._send(peer.peer_id, ChunkAck(room=r.room, chunk=body.chunk))
+        if chunk.arrived & bit:
+            self.stats.duplicates += 1
+            return
+        chunk.arrived |= bit
+        if chunk.arrived == r.all_writers:
+            self._chunk_complete(r, body.chunk, chunk)
+
+    def _chunk_complete(self, r: _Room, index: int, chunk: _Chunk) -> None:
+        """Every writer of `chunk` has landed: scatter it (staged) or count it done (direct)."""
+        if r.path == DIRECT:
+            self._chunk_done(r, chunk)
+            return
+        assert chunk.region is not None
+        token = self._new_token()
+        self._tokens[token] = (r.room, index)
+        chunk.scattering = True
+        r.scatters_in_flight += 1
+        start = r.prefix_tokens + index * self.config.chunk_tokens
+        page_size = self.config.layout.page_size
+        plan = r.plan(index)
+        pages = r.pages[start // page_size : -(-(start + plan.num_tokens) // page_size)]
+        self._out.append(Scatter(token, r.room, index, chunk.region, plan, pages))
+
+    def _chunk_done(self, r: _Room, chunk: _Chunk) -> None:
+        chunk.done = True
+        r.done_chunks += 1
+        if r.done_chunks == r.num_chunks:
+            self.stats.rooms_succeeded += 1
+            self._out.append(RoomSucceeded(r.room))
+            self._forget(r, None)
+
+    def _on_abort(self, peer: Peer, body: Abort) -> None:
+        """A writer failed the room; its Abort also says that none of its writes can still land."""
+        r = self._writer_room(peer, body.room, "Abort")
+        self._send(peer.peer_id, AbortAck(room=body.room))
+        if r is not None:
+            self._confirm(r, peer.peer_id)
+            self._fail(r, reasons.ABORTED_BY_PREFILL)
+            self._settle(r)
+
+    def _on_abort_ack(self, peer: Peer, body: AbortAck) -> None:
+        r = self._writer_room(peer, body.room, "AbortAck")
+        if r is None or r.state is DecodeRoomState.ACTIVE:
+            self.stats.duplicates += 1
+            return
+        self._confirm(r, peer.peer_id)
+        self._settle(r)
+
+    # ---- completions, timers, peers ---------------------------------------------------------------------------
+    def _on_token(self, token: int, ok: bool, reason: str) -> None:
+        entry = self._tokens.pop(token, None)
+        if entry is None:
+            self.stats.reject("unknown completion token")
+            return
+        room, index = entry
+        r = self._rooms.get(room)
+        if r is None:
+            return  # a scatter completing after its room's fence completed and the room was released
+        if index < 0:
+            _move(r, DecodeRoomState.QUARANTINED)
+            self._return_pages_after_fence(r)
+            self._settle(r)
+            return
+        chunk = r.chunks[index]
+        chunk.scattering = False
+        r.scatters_in_flight -= 1
+        if r.state is not DecodeRoomState.ACTIVE:
+            return  # the fence covers it; its region is freed with the room's
+        if not ok:
+            self._fail(r, reasons.SCATTER_FAILED)
+            return
+        assert chunk.region is not None
+        self._ring.free(chunk.region)
+        chunk.region = None
+        self._chunk_done(r, chunk)
+
+    def _deadline_live(self, when: float, room: int) -> bool:
+        r = self._rooms.get(room)
+        return r is not None and r.state is DecodeRoomState.ACTIVE and r.deadline == when
+
+    def _on_deadline(self, when: float, room: int) -> None:
+        if self._deadline_live(when, room):
+            self._fail(self._rooms[room], reasons.TIMEOUT)
+
+    def _fail_by_id(self, room: int, reason: str) -> None:
+        r = self._rooms.get(room)
+        if r is not None:
+            self._fail(r, reason)
+
+    def _peer_lost(self, peer: Peer, room: int, reason: str) -> None:
+        r = self._rooms[room]
+        if reason != reasons.PEER_DEAD and peer.peer_id not in r.bound:
+            return  # restarted or re-epoched, and no incarnation served this room yet: its retried metadata will
+        if reason != reasons.FENCED_BY_PEER:
+            self._confirm(r, peer.peer_id)  # its incarnation is fenced: none of its writes can land any more
+        self._fail(r, reason)
+        self._settle(r)
+
+    def _watermark(self) -> WireWatermark:
+        return self._wm_wire
+
+    def _on_new_incarnation(self, peer: Peer) -> None:
+        self._send(peer.peer_id, Heartbeat())  # R4: a new or restarted session gets the watermark at once
+
+    def _after_event(self) -> None:
+        """R4/R9: whenever the watermark moved, tell every peer that has rooms here."""
+        watermark = self._ring.watermark
+        if watermark == self._wm_sent:
+            return
+        self._wm_sent = watermark
+        self._wm_wire = WireWatermark(watermark.round, watermark.tail)
+        for peer in self._peers.values():
+            if peer.rooms:
+                self._send(peer.peer_id, Heartbeat())
+
+    # ---- release (R1, R6) -------------------------------------------------------------------------------------
+    def _fail(self, r: _Room, reason: str) -> None:
+        """Fail an ACTIVE room (idempotent): report, tell the writers, fence scatters, then release."""
+        if r.state is not DecodeRoomState.ACTIVE:
+            return
+        r.reason = reason
+        self.stats.failures[reason] += 1
+        self._out.append(RoomFailed(r.room, reason))
+        self._retrier.stop_room(r.room)
+        for peer_id in r.unconfirmed():
+            self._request("abort", peer_id, Abort(room=r.room, reason=reason))
+        if r.scatters_in_flight:
+            _move(r, DecodeRoomState.FENCING)
+            token = self._new_token()
+            self._tokens[token] = (r.room, -1)
+            self._out.append(FenceScatter(token, r.room))
+            return
+        _move(r, DecodeRoomState.QUARANTINED)
+        self._return_pages_after_fence(r)
+        self._settle(r)
+
+    def _return_pages_after_fence(self, r: _Room) -> None:
+        """Staged rooms: only scatters write the KV pages, and they are fenced now."""
+        if r.path != DIRECT:
+            self._free_pages(r)
+
+    def _free_pages(self, r: _Room) -> None:
+        if not r.pages_returned:
+            r.pages_returned = True
+            self._out.append(FreePages(r.room, r.pages))
+
+    def _confirm(self, r: _Room, peer_id: str) -> None:
+        r.confirmed[peer_id] = None
+        self._answered("abort", peer_id, r.room)
+        peer = self._peers.get(peer_id)
+        if peer is not None:
+            peer.rooms.pop(r.room, None)
+
+    def _settle(self, r: _Room) -> None:
+        """QUARANTINED: release ring space and pages once no write can land; forget once every writer knows."""
+        if r.state is not DecodeRoomState.QUARANTINED or r.unsafe():
+            return
+        if not r.regions_freed:
+            r.regions_freed = True
+            for chunk in r.chunks.values():
+                if chunk.region is not None:
+                    self._ring.free(chunk.region)
+                    chunk.region = None
+        self._free_pages(r)
+        if not r.unconfirmed():
+            self._forget(r, r.reason)
+
+    def _forget(self, r: _Room, reason: str | None) -> None:
+        if self._rooms.get(r.room) is not r:
+            return
+        del self._rooms[r.room]
+        self._retrier.stop_room(r.room)
+        self._closed.remember(r.room, reason)
+        for peer_id in r.writers:
+            peer = self._peers.get(peer_id)
+            if peer is not None:
+                peer.rooms.pop(r.room, None)

@@ -1,0 +1,659 @@
+"""PrefillEndpoint: the sans-I/O state machine of one prefill rank, the writer side of every room it computes.
+
+Owns the prefill side of every room: which decode ranks this rank writes to (from the head plan), the
+metadata of each (a "link"), staging requests in chunk production order (R11), parking chunks until their
+ring region is free (R9), one bulk write per chunk and link (or page-to-page writes on the direct path, R12),
+ChunkReady notices retried until acknowledged (R4), and the abort protocol: an abort is acknowledged, and
+RoomFailed reported, only once no write of the room is in flight (R6).
+
+Room states (a room is forgotten, and remembered in a bounded closed-room record, after its last state):
+
+| state    | on                                            | actions                                    | next        |
+|----------|-----------------------------------------------|--------------------------------------------|-------------|
+| (none)   | AttachRoom, this rank writes to no decode rank | RoomSucceeded                             | (forgotten) |
+| (none)   | AttachRoom                                    | adopt metadata that arrived first          | ACTIVE      |
+| ACTIVE   | Metadata from a target decode rank            | MetadataAck; request staging              | ACTIVE      |
+| ACTIVE   | ComputeScheduled(end)                         | StagingRequest for chunks starting < end,  | ACTIVE      |
+|          |                                               | in order, at most max_chunks_ahead unwritten |           |
+| ACTIVE   | Grant / KVReady / watermark moved             | region ready and KV computed: WriteRegion  | ACTIVE      |
+|          |                                               | or WriteDirect; otherwise park the chunk   |             |
+| ACTIVE   | Completion(write, ok)                         | ChunkReady (retried until ChunkAck)        | ACTIVE      |
+| ACTIVE   | last ChunkAck of every link                   | RoomSucceeded                              | (forgotten) |
+| ACTIVE   | AbortRoom, decode's Abort, deadline, peer     | stop requests, unpark                      | DRAINING    |
+|          | lost, write/send failure, bad grant/metadata  |                                            |             |
+| DRAINING | no write of the room in flight                | RoomFailed; AbortAck to decode ranks that  | CLOSING     |
+|          |                                               | aborted; Abort (retried) to the others     |             |
+| CLOSING  | AbortAck / Abort / death of each such peer    | forget                                     | (forgotten) |
+
+Writer chunk states per link: REQUESTED -> GRANTED (parked while its region is not ready) -> WRITING ->
+NOTIFYING -> acknowledged (dropped from the table). A grant is only used in REQUESTED; duplicates are counted.
+
+Inbound checks (R10, B1): Metadata is checked against this rank's layout and TP and, once attached, against
+the room; metadata of rooms not yet attached is capped per peer and expires with its ttl; grants are checked
+for chunk range and region size; unknown rooms allocate nothing. Called by runtime/ and sim/.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from kvstage.errors import ConfigError, InvalidRequest
+from kvstage.layout import HeadTransfer, StagingPlan, WriterBlock
+from kvstage.protocol import reasons
+from kvstage.protocol.actions import RoomFailed, RoomSucceeded, WriteDirect, WriteRegion
+from kvstage.protocol.base import EndpointCore, Peer
+from kvstage.protocol.codec import Codec
+from kvstage.protocol.config import PrefillConfig
+from kvstage.protocol.events import AbortRoom, AttachRoom, ComputeScheduled, KVReady
+from kvstage.protocol.messages import (
+    DIRECT,
+    MAX_CHUNKS,
+    Abort,
+    AbortAck,
+    ChunkAck,
+    ChunkReady,
+    Grant,
+    GrantRefused,
+    Metadata,
+    MetadataAck,
+    StagingRequest,
+    WireWatermark,
+)
+from kvstage.protocol.plans import staging_plan, transfers_of_writer
+from kvstage.ring import Allocation, Watermark, region_ready
+
+_ZERO = Watermark(0, 0)
+
+
+class PrefillRoomState(enum.Enum):
+    ACTIVE = "active"
+    DRAINING = "draining"  # failed; waiting for in-flight writes to complete
+    CLOSING = "closing"  # failed and drained; waiting for decode ranks to acknowledge the abort
+
+
+_TRANSITIONS: frozenset[tuple[PrefillRoomState, PrefillRoomState]] = frozenset(
+    {
+        (PrefillRoomState.ACTIVE, PrefillRoomState.DRAINING),
+        (PrefillRoomState.DRAINING, PrefillRoomState.CLOSING),
+    }
+)
+
+
+class ChunkState(enum.Enum):
+    REQUESTED = "requested"
+    GRANTED = "granted"
+    WRITING = "writing"
+    NOTIFYING = "notifying"
+
+
+@dataclass(slots=True, eq=False)
+class _Chunk:
+    state: ChunkState = ChunkState.REQUESTED
+    region: Allocation | None = None
+
+
+@dataclass(slots=True, eq=False)
+class _Link:
+    """This rank's part of one room towards one decode rank."""
+
+    peer_id: str
+    meta: Metadata
+    num_chunks: int
+    transfer: HeadTransfer
+    plan_full: StagingPlan | None  # staged only
+    plan_last: StagingPlan | None
+    chunks: dict[int, _Chunk] = field(default_factory=dict)  # not yet acknowledged
+    next_request: int = 0
+    unwritten: int = 0  # requested but not yet written (R11 window)
+    acked: int = 0
+
+    def bounds(self, index: int) -> tuple[int, int]:
+        start = self.meta.prefix_tokens + index * self.meta.chunk_tokens
+        return start, min(start + self.meta.chunk_tokens, self.meta.num_tokens)
+
+    def holds_grants(self) -> bool:
+        """Whether the decode peer ever granted this link anything (a chunk past REQUESTED, or acknowledged)."""
+        return self.acked > 0 or any(chunk.state is not ChunkState.REQUESTED for chunk in self.chunks.values())
+
+    def plan(self, index: int) -> StagingPlan:
+        plan = self.plan_last if index == self.num_chunks - 1 else self.plan_full
+        assert plan is not None
+        return plan
+
+
+@dataclass(slots=True, eq=False)
+class _Room:
+    room: int
+    num_tokens: int
+    decode_tp: int
+    deadline: float
+    targets: frozenset[int]  # decode ranks this rank writes to
+    links: dict[str, _Link] = field(default_factory=dict)  # by decode peer id
+    ranks: dict[int, str] = field(default_factory=dict)  # decode rank -> peer id of its link
+    scheduled: int = 0  # tokens the engine is computing or has computed
+    ready: int = 0  # tokens whose KV is computed
+    pages: tuple[int, ...] = ()
+    state: PrefillRoomState = PrefillRoomState.ACTIVE
+    reason: str = ""
+    in_flight: int = 0  # writes issued and not completed
+    links_done: int = 0
+    owe_ack: dict[str, None] = field(default_factory=dict)  # decode peers that aborted: AbortAck when drained
+    lost: dict[str, None] = field(default_factory=dict)  # decode peers gone: no Abort to them
+    awaiting: dict[str, None] = field(default_factory=dict)  # decode peers our Abort waits on
+
+
+def _move(r: _Room, new: PrefillRoomState) -> None:
+    if (r.state, new) not in _TRANSITIONS:
+        raise AssertionError(f"room {r.room}: no transition {r.state.value} -> {new.value}")
+    r.state = new
+
+
+class PrefillEndpoint(EndpointCore):
+    """One prefill rank. `handle(event, now) -> list[Action]`; see kvstage.protocol for the API."""
+
+    ROLE = "prefill"
+
+    def __init__(self, config: PrefillConfig, session: int, *, codec: Codec | None = None) -> None:
+        super().__init__(config.peer_id, session, config.timing, config.limits, codec)
+        self.config = config
+        self._rooms: dict[int, _Room] = {}
+        self._pending: dict[int, dict[str, tuple[Metadata, float]]] = {}  # metadata before AttachRoom
+        self._tokens: dict[int, tuple[int, str, int]] = {}  # write token -> (room, decode peer, chunk)
+        self._event_handlers.update(
+            {
+                AttachRoom: self._on_attach,
+                ComputeScheduled: self._on_compute_scheduled,
+                KVReady: self._on_kv_ready,
+                AbortRoom: self._on_abort_room,
+            }
+        )
+        self._body_handlers.update(
+            {
+                Metadata: self._on_metadata,
+                Grant: self._on_grant,
+                GrantRefused: self._on_grant_refused,
+                ChunkAck: self._on_chunk_ack,
+                Abort: self._on_abort,
+                AbortAck: self._on_abort_ack,
+            }
+        )
+
+    # ---- introspection ----------------------------------------------------------------------------------------
+    def open_rooms(self) -> frozenset[int]:
+        return frozenset(self._rooms)
+
+    def room_state(self, room: int) -> PrefillRoomState | None:
+        r = self._rooms.get(room)
+        return None if r is None else r.state
+
+    def parked_count(self) -> int:
+        return sum(len(peer.parked) for peer in self._peers.values())
+
+    def pending_metadata(self) -> int:
+        return sum(len(entries) for entries in self._pending.values())
+
+    def is_quiescent(self) -> bool:
+        return (
+            not self._rooms
+            and not self._pending
+            and not self._tokens
+            and not len(self._retrier)
+            and not self.parked_count()
+        )
+
+    # ---- engine events ----------------------------------------------------------------------------------------
+    def _on_attach(self, event: AttachRoom) -> None:
+        cfg = self.config
+        if event.room in self._rooms:
+            raise InvalidRequest(f"room {event.room} is already attached on {cfg.peer_id}; room ids are unique")
+        if event.room in self._closed:
+            reason = self._closed[event.room]
+            if reason is None:
+                raise InvalidRequest(f"room {event.room} already completed on {cfg.peer_id}; room ids are unique")
+            self.stats.failures[reason] += 1  # decode aborted it before the engine attached it
+            self._out.append(RoomFailed(event.room, reason))
+            for peer_id in list(self._pending.get(event.room, {})):  # other decode ranks of the room learn it now
+                self._send(peer_id, Abort(room=event.room, reason=reason))
+                self._drop_pending(event.room, peer_id)
+            return
+        if event.num_tokens < 1:
+            raise InvalidRequest(f"room {event.room}: num_tokens must be positive, got {event.num_tokens}")
+        try:
+            targets = transfers_of_writer(cfg.layout.num_kv_heads, cfg.tp_size, event.decode_tp, cfg.rank)
+        except ConfigError as exc:
+            raise InvalidRequest(f"room {event.room}: decode_tp={event.decode_tp} is unusable: {exc}") from exc
+        self.stats.rooms_opened += 1
+        r = _Room(event.room, event.num_tokens, event.decode_tp, event.deadline, frozenset(targets))
+        if not r.targets:  # every head this rank holds is written by a replica
+            self._succeed(r)
+            return
+        self._rooms[r.room] = r
+        self._deadlines.push(r.deadline, r.room)
+        for peer_id, (metadata, _) in self._pending.pop(r.room, {}).items():
+            peer = self._peers.get(peer_id)
+            if peer is not None:
+                self._adopt(r, peer, metadata)
+
+    def _on_compute_scheduled(self, event: ComputeScheduled) -> None:
+        r = self._engine_room(event.room)
+        if r is not None:
+            r.scheduled = max(r.scheduled, min(event.end_tokens, r.num_tokens))
+            self._pump(r)
+
+    def _on_kv_ready(self, event: KVReady) -> None:
+        r = self._engine_room(event.room)
+        if r is None:
+            return
+        end = event.end_tokens
+        if not 0 < end <= r.num_tokens or len(event.pages) < -(-end // self.config.layout.page_size):
+            raise InvalidRequest(
+                f"room {r.room}: KVReady(end_tokens={end}) needs 0 < end <= {r.num_tokens} and "
+                f">= {-(-end // self.config.layout.page_size)} pages, got {len(event.pages)}"
+            )
+        if end >= r.ready:
+            r.ready = end
+            r.pages = event.pages
+        r.scheduled = max(r.scheduled, end)
+        self._pump(r)
+
+    def _on_abort_room(self, event: AbortRoom) -> None:
+        r = self._engine_room(event.room)
+        if r is not None:
+            self._fail(r, reasons.ABORTED_BY_PREFILL)
+
+    def _engine_room(self, room: int) -> _Room | None:
+        """The ACTIVE room an engine call names; None if it already ended; InvalidRequest if never attached."""
+        r = self._rooms.get(room)
+        if r is None and room not in self._closed:
+            raise InvalidRequest(f"room {room} is not attached on {self.peer_id}")
+        return r if r is not None and r.state is PrefillRoomState.ACTIVE else None
+
+    # ---- metadata ---------------------------------------------------------------------------------------------
+    def _metadata_problem(self, m: Metadata) -> str | None:
+        """Why `m` cannot be served by this rank whatever the room, or None."""
+        cfg = self.config
+        page_size = cfg.layout.page_size
+        if m.prefill_tp != cfg.tp_size or m.page_size != page_size:
+            return "metadata for another prefill TP size or page size"
+        if not m.decode_rank < m.decode_tp:
+            return "decode rank outside its TP group"
+        try:
+            targets = transfers_of_writer(cfg.layout.num_kv_heads, cfg.tp_size, m.decode_tp, cfg.rank)
+        except ConfigError:
+            return "decode TP size incompatible with the KV heads"
+        if m.decode_rank not in targets:
+            return "metadata from a decode rank this rank does not write to"
+        if not 0 <= m.prefix_tokens < m.num_tokens or m.prefix_tokens % page_size:
+            return "prefix not page-aligned or not below num_tokens"
+        if m.chunk_tokens <= 0 or m.chunk_tokens % page_size:
+            return "chunk_tokens not a positive multiple of the page size"
+        if -(-(m.num_tokens - m.prefix_tokens) // m.chunk_tokens) > MAX_CHUNKS:
+            return "too many chunks"
+        expected_pages = -(-m.num_tokens // page_size) if m.path == DIRECT else 0
+        if len(m.pages) != expected_pages:
+            return "page count does not match num_tokens"
+        return None
+
+    def _on_metadata(self, peer: Peer, m: Metadata) -> None:
+        r = self._rooms.get(m.room)
+        if r is not None:
+            self._adopt(r, peer, m)
+            return
+        if m.room in self._closed:
+            reason = self._closed[m.room]
+            self._send(peer.peer_id, MetadataAck(room=m.room) if reason is None else Abort(room=m.room, reason=reason))
+            return
+        problem = self._metadata_problem(m)
+        if problem is not None or len(peer.rooms) >= self.limits.max_rooms_per_peer:
+            self.stats.reject(problem or "room cap of the peer reached")
+            why = reasons.BAD_METADATA if problem else reasons.OVERLOADED
+            self._send(peer.peer_id, Abort(room=m.room, reason=why))
+            return
+        entries = self._pending.setdefault(m.room, {})
+        if peer.peer_id in entries:
+            self.stats.duplicates += 1
+        else:
+            expires = self._now + m.ttl_s
+            entries[peer.peer_id] = (m, expires)
+            peer.rooms[m.room] = None
+            self._deadlines.push(expires, m.room)
+        self._send(peer.peer_id, MetadataAck(room=m.room))
+
+    def _adopt(self, r: _Room, peer: Peer, m: Metadata) -> None:
+        """Link `r` to the decode rank that sent `m` (idempotent), or fail the room if `m` does not fit it."""
+        link = r.links.get(peer.peer_id)
+        if link is not None:
+            self.stats.duplicates += 1
+            self._send(peer.peer_id, MetadataAck(room=r.room))
+            return
+        if r.state is not PrefillRoomState.ACTIVE:
+            self._send(peer.peer_id, Abort(room=r.room, reason=r.reason))  # no link, so no write to it
+            return
+        problem = self._metadata_problem(m)
+        if problem is None and (m.num_tokens != r.num_tokens or m.decode_tp != r.decode_tp):
+            problem = "metadata disagrees with the attached room"
+        if problem is None and m.decode_rank in r.ranks:
+            problem = "two peers claim the same decode rank"
+        if problem is not None:
+            self.stats.reject(problem)
+            self._send(peer.peer_id, Abort(room=r.room, reason=reasons.BAD_METADATA))
+            self._fail(r, reasons.BAD_METADATA)
+            return
+        link = self._new_link(peer.peer_id, m)
+        r.links[peer.peer_id] = link
+        r.ranks[m.decode_rank] = peer.peer_id
+        peer.rooms[r.room] = None
+        self._send(peer.peer_id, MetadataAck(room=r.room))
+        self._pump_link(r, link)
+
+    def _new_link(self, peer_id: str, m: Metadata) -> _Link:
+        cfg = self.config
+        num_chunks = -(-(m.num_tokens - m.prefix_tokens) // m.chunk_tokens)
+        transfer = transfers_of_writer(cfg.layout.num_kv_heads, cfg.tp_size, m.decode_tp, cfg.rank)[m.decode_rank]
+        plan_full = plan_last = None
+        if m.path != DIRECT:
+            last_tokens = m.num_tokens - m.prefix_tokens - (num_chunks - 1) * m.chunk_tokens
+            plan_full = staging_plan(cfg.layout, cfg.tp_size, m.decode_tp, m.decode_rank, m.chunk_tokens)
+            plan_last = staging_plan(cfg.layout, cfg.tp_size, m.decode_tp, m.decode_rank, last_tokens)
+        return _Link(peer_id, m, num_chunks, transfer, plan_full, plan_last)
+
+    # ---- chunk flow -------------------------------------------------------------------------------------------
+    def _pump(self, r: _Room) -> None:
+        for link in list(r.links.values()):
+            if r.state is not PrefillRoomState.ACTIVE:
+                return
+            self._pump_link(r, link)
+
+    def _pump_link(self, r: _Room, link: _Link) -> None:
+        """R11: request staging in chunk order for chunks about to be computed; write whatever can be written."""
+        window = self.limits.max_chunks_ahead
+        while link.next_request < link.num_chunks and link.unwritten < window:
+            index = link.next_request
+            if link.bounds(index)[0] >= r.scheduled:
+                break
+            link.chunks[index] = _Chunk()
+            link.next_request += 1
+            link.unwritten += 1
+            self._request("stage", link.peer_id, StagingRequest(room=r.room, chunk=index), index)
+        for index, chunk in list(link.chunks.items()):
+            if chunk.state is ChunkState.GRANTED:
+                self._try_write(r, link, index, chunk)
+            if r.state is not PrefillRoomState.ACTIVE:
+                return
+
+    def _try_write(self, r: _Room, link: _Link, index: int, chunk: _Chunk) -> None:
+        """Write a granted chunk once its KV is computed and (staged) its region is ready; else park it (R9)."""
+        start, end = link.bounds(index)
+        if end > r.ready:
+            return
+        assert chunk.region is not None
+        peer = self._peers[link.peer_id]
+        key = (r.room, index)
+        if link.plan_full is not None and not region_ready(chunk.region, peer.watermark or _ZERO):
+            peer.parked[key] = None
+            return
+        peer.parked.pop(key, None)
+        chunk.state = ChunkState.WRITING
+        token = self._new_token()
+        self._tokens[token] = (r.room, link.peer_id, index)
+        r.in_flight += 1
+        page_size = self.config.layout.page_size
+        first, stop = start // page_size, -(-end // page_size)
+        assert peer.incarnation is not None  # a grant came from it
+        dst_session = peer.incarnation[0]
+        if link.plan_full is None:
+            self._out.append(
+                WriteDirect(
+                    token,
+                    link.peer_id,
+                    r.room,
+                    index,
+                    r.pages[first:stop],
+                    link.meta.pages[first:stop],
+                    end - start,
+                    link.transfer,
+                    self.session,
+                    self.epoch_towards(peer.peer_id),
+                    dst_session,
+                )
+            )
+            return
+        block: WriterBlock = link.plan(index).block_of(self.config.rank)
+        self._out.append(
+            WriteRegion(
+                token,
+                link.peer_id,
+                r.room,
+                index,
+                r.pages[first:stop],
+                end - start,
+                block,
+                chunk.region,
+                self.session,
+                self.epoch_towards(peer.peer_id),
+                dst_session,
+            )
+        )
+
+    def _on_envelope_watermark(self, peer: Peer, watermark: WireWatermark) -> None:
+        """R9: a higher watermark may make parked chunks writable; re-check them in grant order."""
+        seen = peer.watermark
+        if seen is not None and (watermark.round, watermark.tail) <= (seen.round, seen.tail):
+            return
+        peer.watermark = Watermark(watermark.round, watermark.tail)
+        for room, index in list(peer.parked):
+            found = self._link_of(peer, room)
+            chunk = None if found is None else found[1].chunks.get(index)
+            if found is None or chunk is None or chunk.state is not ChunkState.GRANTED:
+                del peer.parked[(room, index)]  # defensive: parked entries leave with their room
+                continue
+            self._try_write(found[0], found[1], index, chunk)
+
+    def _link_of(self, peer: Peer, room: int) -> tuple[_Room, _Link] | None:
+        r = self._rooms.get(room)
+        if r is None or r.state is not PrefillRoomState.ACTIVE:
+            return None
+        link = r.links.get(peer.peer_id)
+        return None if link is None else (r, link)
+
+    def _on_grant(self, peer: Peer, g: Grant) -> None:
+        found = self._link_of(peer, g.room)
+        if found is None:
+            self.stats.stale_dropped += 1
+            return
+        r, link = found
+        if g.chunk >= link.num_chunks:
+            self.stats.reject("chunk index out of range")
+            return
+        chunk = link.chunks.get(g.chunk)
+        if chunk is None or chunk.state is not ChunkState.REQUESTED:
+            self.stats.duplicates += 1
+            return
+        if link.plan_full is None and g.epoch != link.meta.epoch:
+            self.stats.stale_dropped += 1
+            return
+        if link.plan_full is not None and (
+            g.end - g.offset < link.plan(g.chunk).total_bytes or (link.meta.ring_bytes and g.end > link.meta.ring_bytes)
+        ):
+            self.stats.reject("grant smaller than the chunk or outside the ring")
+            self._fail(r, reasons.PROTOCOL_VIOLATION)
+            return
+        self._answered("stage", peer.peer_id, r.room, g.chunk)
+        chunk.region = Allocation(g.epoch, g.round, g.offset, g.end)
+        chunk.state = ChunkState.GRANTED
+        self._try_write(r, link, g.chunk, chunk)
+
+    def _on_grant_refused(self, peer: Peer, m: GrantRefused) -> None:
+        self.stats.refusals_received += 1
+        found = self._link_of(peer, m.room)
+        if found is None:
+            return
+        r, link = found
+        chunk = link.chunks.get(m.chunk)
+        if chunk is None or chunk.state is not ChunkState.REQUESTED or m.reason == reasons.UNKNOWN_ROOM:
+            return  # R2: an unknown room is retried (the request stays outstanding) until the deadline
+        self._fail(r, reasons.ROOM_CLOSED if m.reason == reasons.ROOM_CLOSED else reasons.PROTOCOL_VIOLATION)
+
+    def _on_chunk_ack(self, peer: Peer, m: ChunkAck) -> None:
+        found = self._link_of(peer, m.room)
+        chunk = None if found is None else found[1].chunks.get(m.chunk)
+        if found is None or chunk is None or chunk.state is not ChunkState.NOTIFYING:
+            self.stats.duplicates += 1
+            return
+        r, link = found
+        self._answered("ready", peer.peer_id, r.room, m.chunk)
+        del link.chunks[m.chunk]
+        link.acked += 1
+        if link.acked == link.num_chunks:
+            r.links_done += 1
+            if r.links_done == len(r.targets):
+                self._succeed(r)
+
+    def _succeed(self, r: _Room) -> None:
+        self.stats.rooms_succeeded += 1
+        self._out.append(RoomSucceeded(r.room))
+        self._forget(r, None)
+
+    # ---- completions, timers, peers ---------------------------------------------------------------------------
+    def _on_token(self, token: int, ok: bool, reason: str) -> None:
+        entry = self._tokens.pop(token, None)
+        if entry is None:
+            self.stats.reject("unknown completion token")
+            return
+        room, peer_id, index = entry
+        r = self._rooms[room]  # a room with a write in flight is never forgotten
+        r.in_flight -= 1
+        if r.state is PrefillRoomState.DRAINING:
+            if not r.in_flight:
+                self._drained(r)
+            return
+        if r.state is not PrefillRoomState.ACTIVE:
+            return
+        if not ok:
+            self._fail(r, reasons.TRANSFER_FAILED)
+            return
+        link = r.links[peer_id]
+        chunk = link.chunks[index]
+        assert chunk.region is not None
+        chunk.state = ChunkState.NOTIFYING
+        link.unwritten -= 1
+        self._request("ready", peer_id, ChunkReady(room=r.room, chunk=index, epoch=chunk.region.epoch), index)
+        self._pump_link(r, link)
+
+    def _deadline_live(self, when: float, room: int) -> bool:
+        r = self._rooms.get(room)
+        if r is not None:
+            return r.state is PrefillRoomState.ACTIVE and r.deadline == when
+        return any(expires == when for _, expires in self._pending.get(room, {}).values())
+
+    def _on_deadline(self, when: float, room: int) -> None:
+        r = self._rooms.get(room)
+        if r is not None:
+            if r.state is PrefillRoomState.ACTIVE and r.deadline == when:
+                self._fail(r, reasons.TIMEOUT)
+            return
+        entries = self._pending.get(room)
+        for peer_id, (_, expires) in list((entries or {}).items()):
+            if expires <= when:
+                self._drop_pending(room, peer_id)
+
+    def _drop_pending(self, room: int, peer_id: str) -> None:
+        entries = self._pending.get(room)
+        if entries is None or entries.pop(peer_id, None) is None:
+            return
+        if not entries:
+            del self._pending[room]
+        peer = self._peers.get(peer_id)
+        if peer is not None:
+            peer.rooms.pop(room, None)
+
+    def _fail_by_id(self, room: int, reason: str) -> None:
+        r = self._rooms.get(room)
+        if r is not None:
+            self._fail(r, reason)
+
+    def _peer_lost(self, peer: Peer, room: int, reason: str) -> None:
+        r = self._rooms.get(room)
+        link = None if r is None else r.links.get(peer.peer_id)
+        if reason == reasons.FENCED_BY_PEER and link is not None and not link.holds_grants():
+            return  # nothing was granted under the fenced incarnation: its requests go on under the new epoch
+        peer.rooms.pop(room, None)
+        if r is None:
+            self._drop_pending(room, peer.peer_id)
+            return
+        r.lost[peer.peer_id] = None
+        self._fail(r, reason)
+        self._acknowledged(r, peer.peer_id)
+
+    # ---- aborts (R6) ------------------------------------------------------------------------------------------
+    def _on_abort(self, peer: Peer, m: Abort) -> None:
+        r = self._rooms.get(m.room)
+        if r is None:
+            had_metadata = m.room in self._pending and peer.peer_id in self._pending[m.room]
+            self._drop_pending(m.room, peer.peer_id)
+            if m.room not in self._closed and (had_metadata or peer.frames > 1):
+                # a later AttachRoom fails at once; a peer never heard from before cannot doom a room id
+                self._closed.remember(m.room, reasons.ABORTED_BY_DECODE)
+            self._send(peer.peer_id, AbortAck(room=m.room))  # nothing of ours can land: no room, no write
+            return
+        r.owe_ack[peer.peer_id] = None
+        if r.state is PrefillRoomState.ACTIVE:
+            self._fail(r, reasons.ABORTED_BY_DECODE)
+        elif r.state is PrefillRoomState.CLOSING:
+            self._send(peer.peer_id, AbortAck(room=r.room))
+            self._acknowledged(r, peer.peer_id)
+
+    def _on_abort_ack(self, peer: Peer, m: AbortAck) -> None:
+        r = self._rooms.get(m.room)
+        if r is None or r.state is not PrefillRoomState.CLOSING or peer.peer_id not in r.awaiting:
+            self.stats.duplicates += 1
+            return
+        self._acknowledged(r, peer.peer_id)
+
+    def _fail(self, r: _Room, reason: str) -> None:
+        """Fail an ACTIVE room (idempotent): stop asking and writing, then drain in-flight writes."""
+        if r.state is not PrefillRoomState.ACTIVE:
+            return
+        r.reason = reason
+        self.stats.failures[reason] += 1
+        _move(r, PrefillRoomState.DRAINING)
+        self._retrier.stop_room(r.room)
+        for peer_id, link in r.links.items():
+            peer = self._peers.get(peer_id)
+            if peer is not None:
+                for index in link.chunks:
+                    peer.parked.pop((r.room, index), None)
+        if not r.in_flight:
+            self._drained(r)
+
+    def _drained(self, r: _Room) -> None:
+        """No write of the room can land any more: report, acknowledge aborts, tell the other decode ranks."""
+        _move(r, PrefillRoomState.CLOSING)
+        self._out.append(RoomFailed(r.room, r.reason))
+        for peer_id in {**r.links, **r.owe_ack}:
+            if peer_id in r.owe_ack:
+                self._send(peer_id, AbortAck(room=r.room))
+            elif peer_id not in r.lost:
+                r.awaiting[peer_id] = None
+                self._request("abort", peer_id, Abort(room=r.room, reason=r.reason))
+        if not r.awaiting:
+            self._forget(r, r.reason)
+
+    def _acknowledged(self, r: _Room, peer_id: str) -> None:
+        """`peer_id` knows the room failed; forget the room once every decode rank does."""
+        if peer_id in r.awaiting:
+            del r.awaiting[peer_id]
+            self._answered("abort", peer_id, r.room)
+        if r.state is PrefillRoomState.CLOSING and not r.awaiting:
+            self._forget(r, r.reason)
+
+    def _forget(self, r: _Room, reason: str | None) -> None:
+        if self._rooms.get(r.room) is r:
+            del self._rooms[r.room]
+        self._retrier.stop_room(r.room)
+        self._closed.remember(r.room, reason)
+        for peer_id in r.links:
+            peer = self._peers.get(peer_id)
+            if peer is not None:
+                peer.rooms.pop(r.room, None)
