@@ -63,7 +63,7 @@ class Peer:
     rooms: dict[int, None] = field(default_factory=dict)  # rooms that still need this peer (ordered set)
     watermark: Watermark | None = None  # prefill side: highest watermark seen from this decode peer
     parked: dict[tuple[int, int], None] = field(default_factory=dict)  # prefill side: (room, chunk) parked
-    frames: int = 0  # frames admitted from it (1 while handling the first one)
+    sent_metadata: bool = False  # prefill side: it sent Metadata this rank accepted, so it is a decode rank
 
 
 class BoundedRecord(OrderedDict[Any, Any]):
@@ -253,7 +253,6 @@ class EndpointCore:
             self.stats.stale_dropped += 1
             return None
         peer.last_heard = self._now
-        peer.frames += 1
         return peer
 
     def _fence(self, peer: Peer, reason: str) -> None:

@@ -310,6 +310,7 @@ class PrefillEndpoint(EndpointCore):
             why = reasons.BAD_METADATA if problem else reasons.OVERLOADED
             self._send(peer.peer_id, Abort(room=m.room, reason=why))
             return
+        peer.sent_metadata = True
         entries = self._pending.setdefault(m.room, {})
         if peer.peer_id in entries:
             self.stats.duplicates += 1
@@ -340,6 +341,7 @@ class PrefillEndpoint(EndpointCore):
             self._send(peer.peer_id, Abort(room=r.room, reason=reasons.BAD_METADATA))
             self._fail(r, reasons.BAD_METADATA)
             return
+        peer.sent_metadata = True
         link = self._new_link(peer.peer_id, m)
         r.links[peer.peer_id] = link
         r.ranks[m.decode_rank] = peer.peer_id
@@ -592,8 +594,9 @@ class PrefillEndpoint(EndpointCore):
         if r is None:
             had_metadata = m.room in self._pending and peer.peer_id in self._pending[m.room]
             self._drop_pending(m.room, peer.peer_id)
-            if m.room not in self._closed and (had_metadata or peer.frames > 1):
-                # a later AttachRoom fails at once; a peer never heard from before cannot doom a room id
+            if m.room not in self._closed and (had_metadata or peer.sent_metadata):
+                # a later AttachRoom fails at once; only a decode rank (a peer whose Metadata this rank accepted)
+                # can doom a room ahead: a stray Abort from any other peer cannot
                 self._closed.remember(m.room, reasons.ABORTED_BY_DECODE)
             self._send(peer.peer_id, AbortAck(room=m.room))  # nothing of ours can land: no room, no write
             return
