@@ -1,0 +1,550 @@
+"""The machinery every runtime agent shares: configuration, outcomes, the agent thread and its event loop.
+
+Owns `AgentConfig`, `RoomOutcome`, `AgentSnapshot`, `peer_id` and `BaseAgent`, the base of `DecodeAgent`
+(decode.py) and `PrefillAgent` (prefill.py). An agent drives one protocol endpoint with real sockets, a real data
+transport, gather/scatter on the engine's KV pool, a clock and metrics. It owns one agent thread (the only thread
+that touches the endpoint, the transport's write/poll calls and the agent's tables), plus the threads it starts:
+the copy thread (gather/scatter, `copier.py`), the control channel's I/O thread and the peer resolver
+(`directory.py`). The engine-facing API is small and never blocks:
+
+    decode engine:  agent.expect_room(room, prefill_peers, num_tokens, prefix_tokens, pages, timeout_s)
+                    agent.abort(room);  agent.poll() -> [RoomOutcome]
+    prefill engine: agent.attach_room(room, num_tokens, decode_tp, timeout_s)
+                    agent.compute_scheduled(room, end_tokens);  agent.kv_ready(room, end_tokens, pages)
+                    agent.abort(room);  agent.poll() -> [RoomOutcome]
+
+Each engine call only appends an event to the agent's queue. `poll` pops finished outcomes. Memory ownership
+(docs/integration.md has the full story): the engine owns its `KVPool` and allocates a room's pages; kvstage only
+reads (prefill) or writes (decode) them between the engine call and the room's outcome.
+
+Invariants:
+- a blocking call never runs on the engine's thread; bootstrap lookups run on the resolver thread;
+- every action with a token gets exactly one Completion back (write, scatter, fence), and every Send either goes
+  to the control channel or comes back as SendFailed, so the endpoint's failure handling always runs;
+- a transport error, a gather/scatter error or an endpoint bug fails (at most) one room with a reason, logged and
+  counted; the agent thread never dies because of one room;
+- inbound frames waiting for the agent thread are capped (`max_inbox`); beyond it they are dropped and counted
+  (the protocol retries every request); parked sends to unresolved peers are capped per peer.
+
+Called by decode.py and prefill.py (subclasses), engines (docs/integration.md, tests/runtime/runtime_worker.py)
+and `kvstage bench` through `kvstage.runtime`.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from kvstage.dataplane import KVPool
+from kvstage.errors import ConfigError, KVStageError, TransportError
+from kvstage.layout import KVLayout
+from kvstage.protocol import (
+    AbortRoom,
+    AttachRoom,
+    Codec,
+    Completion,
+    DecodeEndpoint,
+    ExpectRoom,
+    FencePeer,
+    Limits,
+    PrefillEndpoint,
+    Received,
+    Send,
+    SendFailed,
+    Timing,
+)
+from kvstage.protocol.codec import DEFAULT_MAX_FRAME_BYTES
+from kvstage.protocol.messages import Envelope
+from kvstage.runtime.copier import Copier, CopyDone
+from kvstage.runtime.directory import Resolver
+from kvstage.runtime.metrics import AgentMetrics
+from kvstage.transport.bootstrap import BootstrapClient, LayoutRecord, PeerRecord, check_compatible
+from kvstage.transport.control import ChannelConfig, ControlChannel
+from kvstage.transport.data import (
+    DataTransport,
+    LocalRegion,
+    TransportConfig,
+    create_transport,
+    encode_descriptor,
+)
+
+log = logging.getLogger(__name__)
+
+#: While writes are in flight the agent thread polls its transport (transports have no wake-up fd): first after
+#: BUSY_POLL_MIN_S, doubling up to BUSY_POLL_MAX_S while nothing completes, back to the minimum on a completion.
+#: With nothing in flight it sleeps up to IDLE_POLL_S when no event or timer is due.
+BUSY_POLL_MIN_S = 0.0002
+BUSY_POLL_MAX_S = 0.004
+IDLE_POLL_S = 0.05
+
+
+def peer_id(instance: str, rank: int) -> str:
+    """The peer id of `rank` of `instance`: what engines pass as `prefill_peers`, and what the bootstrap keys on."""
+    return f"{instance}/{rank}"
+
+
+@dataclass(frozen=True, slots=True)
+class AgentConfig:
+    """One rank's agent. Decode needs `chunk_tokens` and `ring_bytes`; prefill uses `staging_bytes`."""
+
+    instance: str
+    rank: int
+    tp_size: int
+    layout: KVLayout
+    bootstrap: str
+    transport: TransportConfig = field(default_factory=TransportConfig)
+    control_bind: str = "tcp://127.0.0.1:*"
+    timing: Timing = field(default_factory=Timing)
+    limits: Limits = field(default_factory=Limits)
+    channel: ChannelConfig = field(default_factory=lambda: ChannelConfig(max_frame_bytes=DEFAULT_MAX_FRAME_BYTES))
+    chunk_tokens: int = 0
+    ring_bytes: int = 0
+    ring_alignment: int = 64
+    staging_bytes: int = 64 * 2**20
+    max_inbox: int = 65536
+    max_pending_sends: int = 1024
+    resolve_refresh_s: float = 1.0
+
+    @property
+    def peer_id(self) -> str:
+        return peer_id(self.instance, self.rank)
+
+
+@dataclass(frozen=True, slots=True)
+class RoomOutcome:
+    """How a room ended. On a failed decode room, `pages` are the engine's pages, now free for it to reuse."""
+
+    room: int
+    ok: bool
+    reason: str = ""
+    pages: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class AgentSnapshot:
+    """Read-only view refreshed by the agent thread after every turn; safe to read from any thread."""
+
+    open_rooms: int = 0
+    quiescent: bool = True
+    ring_live_bytes: int = 0
+    ring_high_water: int = 0
+    writes_in_flight: int = 0
+    writes_waiting: int = 0
+    pending_sends: int = 0
+    stats: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class _ChannelFailure:
+    address: str
+    envelope: Envelope
+    reason: str
+
+
+_STOP = object()
+
+
+def export_pool(agent: BaseAgent) -> dict[str, bytes]:
+    """Register the engine's KV pool with the agent's transport (both sides) and, where the backend can export
+    caller memory, publish it for the direct path (prefill writes page to page into decode's pool)."""
+    agent.pool_region = agent.transport.register(agent.pool.flat)
+    try:
+        return {"pool": encode_descriptor(agent.transport.export(agent.pool_region))}
+    except TransportError as exc:
+        log.info("%s: no direct path on this backend: %s", agent.peer_id, exc)
+        return {}
+
+
+class BaseAgent:
+    """Shared machinery: queue, agent thread, control channel, resolver, bootstrap record, outcomes, metrics."""
+
+    role: ClassVar[str]
+    peer_role: ClassVar[str]
+
+    def __init__(self, config: AgentConfig, pool: KVPool) -> None:
+        if pool.layout != config.layout:
+            raise ConfigError(f"KV pool layout {pool.layout} differs from the agent's layout {config.layout}")
+        self.config = config
+        self.pool = pool
+        self.peer_id = config.peer_id
+        self.metrics = AgentMetrics(self.role, self.peer_id)
+        self.session = time.time_ns()
+        self._codec = Codec(config.channel.max_frame_bytes)
+        self._events: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._inbox_lock = threading.Lock()
+        self._inbox = 0
+        self._outcomes: deque[RoomOutcome] = deque()
+        self._work: deque[Any] = deque()
+        self._draining = False
+        self._poll_delay = BUSY_POLL_MIN_S
+        self._records: dict[str, PeerRecord] = {}
+        self._peer_of_address: dict[str, str] = {}
+        self._pending_sends: dict[str, deque[Envelope]] = {}
+        self._incompatible: dict[str, str] = {}
+        self._snapshot = AgentSnapshot()
+        self._thread = threading.Thread(target=self._run, name=f"kvstage-{self.role}-agent", daemon=True)
+        self._started = False
+        self.transport: DataTransport
+        self.pool_region: LocalRegion
+        self.endpoint: DecodeEndpoint | PrefillEndpoint
+        self.copier: Copier
+        self.channel: ControlChannel[Envelope]
+        self.resolver: Resolver
+
+    # ---- lifecycle ---------------------------------------------------------------------------------------
+
+    def start(self) -> BaseAgent:
+        """Create the transport and memory, bind the control channel, register with the bootstrap, start threads.
+
+        Blocking (network), so call it at engine start-up, not on the scheduler path.
+        """
+        self.transport = create_transport(self.config.transport)
+        try:
+            descriptors = self._setup_memory()
+            self.endpoint = self._make_endpoint()
+            self.channel = ControlChannel(
+                self.config.control_bind,
+                encode=self._codec.encode,
+                decode=self._codec.decode,
+                deliver=self._deliver,
+                on_send_failure=lambda address, env, reason: self._events.put(_ChannelFailure(address, env, reason)),
+                on_reject=self.metrics.frame_rejected,
+                config=self.config.channel,
+                name=self.peer_id,
+            ).start()
+            self.resolver = Resolver(
+                self.config.bootstrap,
+                self._events.put,
+                refresh_s=self.config.resolve_refresh_s,
+                max_peers=self.config.limits.max_peers,
+                name=f"{self.peer_id}-resolver",
+            ).start()
+            record = self._record(descriptors)
+            client = BootstrapClient(self.config.bootstrap)
+            try:
+                client.register(record)
+            finally:
+                client.close()
+            self.resolver.publish(record)
+        except BaseException:
+            self.transport.close()
+            raise
+        self.copier = Copier(self._events.put, name=f"{self.peer_id}-copier")
+        self._started = True
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        """Stop the agent thread, withdraw the bootstrap record, close sockets and the transport."""
+        if not self._started:
+            return
+        self._started = False
+        self._events.put(_STOP)
+        self._thread.join(10)
+        self.copier.close()
+        client = BootstrapClient(self.config.bootstrap, timeout_s=1.0)
+        try:
+            client.unregister(self.peer_id, self.session)
+        except KVStageError as exc:
+            log.warning("%s: could not withdraw the bootstrap record: %s", self.peer_id, exc)
+        finally:
+            client.close()
+        self.resolver.close()
+        self.channel.close()
+        self.transport.close()
+
+    def __enter__(self) -> BaseAgent:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- engine-facing -----------------------------------------------------------------------------------
+
+    def connect(self, instance: str, tp_size: int, timeout_s: float = 30.0) -> tuple[str, ...]:
+        """Rendezvous with every rank of peer `instance` (blocking: call at start-up, not per request).
+
+        Waits until all `tp_size` ranks are registered, checks each one's layout against this agent's
+        (`CompatibilityError` naming both values on a mismatch) and returns their peer ids by rank.
+        """
+        client = BootstrapClient(self.config.bootstrap)
+        try:
+            records = client.wait_for_instance(instance, self.peer_role, tp_size, timeout_s)  # type: ignore[arg-type]
+        finally:
+            client.close()
+        for record in records:
+            check_compatible(self.config.layout, record, me=f"{self.role} rank {self.peer_id!r}")
+        return tuple(record.peer_id for record in records)
+
+    def abort(self, room: int) -> None:
+        """Give up on `room`; its outcome (failed, "aborted by ...") comes back through `poll`."""
+        self._events.put(AbortRoom(room))
+
+    def poll(self) -> list[RoomOutcome]:
+        """Rooms that ended since the last call. Never blocks."""
+        out: list[RoomOutcome] = []
+        while self._outcomes:
+            out.append(self._outcomes.popleft())
+        return out
+
+    def snapshot(self) -> AgentSnapshot:
+        return self._snapshot
+
+    def wait_quiescent(self, timeout_s: float) -> bool:
+        """Wait (on the caller's thread; not for schedulers) until nothing is open, parked or in flight."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self._snapshot.quiescent:
+                return True
+            time.sleep(0.01)
+        return self._snapshot.quiescent
+
+    # ---- subclass hooks ----------------------------------------------------------------------------------
+
+    def _setup_memory(self) -> dict[str, bytes]:
+        raise NotImplementedError
+
+    def _make_endpoint(self) -> DecodeEndpoint | PrefillEndpoint:
+        raise NotImplementedError
+
+    def _execute(self, action: Any) -> None:
+        raise NotImplementedError
+
+    def _peer_changed(self, old: PeerRecord | None, record: PeerRecord) -> None:
+        """A peer registered (or re-registered with a new session)."""
+
+    def _peer_fenced(self, peer: str) -> None:
+        """The endpoint declared `peer`'s incarnation dead or replaced."""
+
+    def _copy_done(self, done: CopyDone) -> None:
+        """A gather or scatter submitted to the copier finished."""
+        raise TypeError(f"{self.role} agent submitted no copy {done.key!r}")
+
+    def _after_turn(self) -> None:
+        """Per-turn housekeeping on the agent thread (retry waiting writes, metrics)."""
+
+    def _progressed(self) -> None:
+        """A transfer completed: poll the transport at the shortest delay again."""
+        self._poll_delay = BUSY_POLL_MIN_S
+
+    def _busy(self) -> bool:
+        """True while transfers are in flight: the loop then polls the transport often."""
+        return False
+
+    # ---- agent thread ------------------------------------------------------------------------------------
+
+    def _record(self, descriptors: dict[str, bytes]) -> PeerRecord:
+        return PeerRecord(
+            peer_id=self.peer_id,
+            role=self.role,  # type: ignore[arg-type]
+            instance=self.config.instance,
+            tp_size=self.config.tp_size,
+            rank=self.config.rank,
+            layout=LayoutRecord.of(self.config.layout),
+            control_address=self.channel.address,
+            backend=self.config.transport.backend,
+            session=self.session,
+            descriptors=descriptors,
+            chunk_tokens=self.config.chunk_tokens,
+        )
+
+    def _deliver(self, envelope: Envelope) -> None:
+        """Control I/O thread: queue a decoded envelope for the agent thread, within the inbox cap."""
+        with self._inbox_lock:
+            if self._inbox >= self.config.max_inbox:
+                full = True
+            else:
+                self._inbox += 1
+                full = False
+        if full:
+            self.metrics.frame_rejected("inbox full")
+            return
+        self._events.put(Received(envelope))
+
+    def _run(self) -> None:
+        stopping = False
+        while not stopping:
+            batch = self._next_batch()
+            for item in batch:
+                if item is _STOP:
+                    stopping = True
+                else:
+                    self._guarded(self._dispatch, item)
+            self._guarded(self._poll_transport)
+            now = time.monotonic()
+            due = self.endpoint.next_timer()
+            if due is not None and now >= due:
+                self._guarded(self._feed_actions, self.endpoint.tick(now))
+            self._guarded(self._after_turn)
+            self._guarded(self._refresh_snapshot)
+
+    def _next_batch(self) -> list[Any]:
+        if self._busy():
+            timeout = self._poll_delay
+            self._poll_delay = min(2 * self._poll_delay, BUSY_POLL_MAX_S)
+        else:
+            timeout = IDLE_POLL_S
+        due = self.endpoint.next_timer()
+        if due is not None:
+            timeout = min(timeout, max(0.0, due - time.monotonic()))
+        try:
+            batch = [self._events.get(timeout=timeout)]
+        except queue.Empty:
+            return []
+        while len(batch) < 1024:
+            try:
+                batch.append(self._events.get_nowait())
+            except queue.Empty:
+                break
+        return batch
+
+    def _guarded(self, fn: Any, *args: Any) -> None:
+        """Run one step; a bug in it is logged and counted, and never kills the agent thread."""
+        try:
+            fn(*args)
+        except Exception:
+            log.exception("%s: agent step %s failed", self.peer_id, getattr(fn, "__name__", fn))
+            self.metrics.internal_error()
+
+    def _dispatch(self, item: Any) -> None:
+        if isinstance(item, PeerRecord):
+            self._on_record(item)
+            return
+        if isinstance(item, CopyDone):
+            self._copy_done(item)
+            return
+        if isinstance(item, _ChannelFailure):
+            peer = self._peer_of_address.get(item.address)
+            if peer is not None:
+                self._feed(SendFailed(peer, item.envelope, item.reason))
+            return
+        if isinstance(item, Received):
+            with self._inbox_lock:
+                self._inbox -= 1
+            sender = item.envelope.sender
+            if sender not in self._records and sender not in self._incompatible:
+                self.resolver.want(sender)
+        self._feed(item)
+
+    def _feed(self, event: Any) -> None:
+        """Hand one event to the endpoint and carry out its actions, then those of any follow-up events (in
+        order, iteratively: an action that produces an event, e.g. SendFailed, queues it behind the current one)."""
+        self._work.append(event)
+        if self._draining:
+            return
+        self._draining = True
+        try:
+            while self._work:
+                current = self._work.popleft()
+                try:
+                    actions = self.endpoint.handle(current, time.monotonic())
+                except KVStageError as exc:
+                    log.error("%s: endpoint rejected %r: %s", self.peer_id, current, exc)
+                    self._reject_engine_call(current, str(exc))
+                    continue
+                self._feed_actions(actions)
+        finally:
+            self._draining = False
+
+    def _feed_actions(self, actions: list[Any]) -> None:
+        for action in actions:
+            self._guarded(self._execute_common, action)
+
+    def _reject_engine_call(self, event: Any, reason: str) -> None:
+        room = getattr(event, "room", None)
+        if isinstance(event, ExpectRoom | AttachRoom) and room is not None:
+            pages = event.pages if isinstance(event, ExpectRoom) else ()
+            self._outcome(RoomOutcome(room, False, f"invalid request: {reason}", pages))
+
+    def _execute_common(self, action: Any) -> None:
+        if isinstance(action, Send):
+            self._send(action.peer, action.envelope)
+        elif isinstance(action, FencePeer):
+            self._peer_fenced(action.peer)
+            self.resolver.want(action.peer)
+        else:
+            self._execute(action)
+
+    def _send(self, peer: str, envelope: Envelope) -> None:
+        record = self._records.get(peer)
+        if record is None:
+            self._park_send(peer, envelope)
+            return
+        try:
+            self.channel.send(record.control_address, envelope)
+        except TransportError as exc:
+            self._feed(SendFailed(peer, envelope, str(exc)))
+
+    def _park_send(self, peer: str, envelope: Envelope) -> None:
+        if peer in self._incompatible:
+            self._feed(SendFailed(peer, envelope, self._incompatible[peer]))
+            return
+        parked = self._pending_sends.get(peer)
+        if parked is None:
+            if len(self._pending_sends) >= self.config.limits.max_peers or not self.resolver.want(peer):
+                self._feed(SendFailed(peer, envelope, "too many unresolved peers"))
+                return
+            parked = self._pending_sends[peer] = deque()
+        if len(parked) >= self.config.max_pending_sends:
+            self._feed(SendFailed(peer, envelope, f"peer {peer!r} not resolved and its send queue is full"))
+            return
+        parked.append(envelope)
+
+    def _on_record(self, record: PeerRecord) -> None:
+        try:
+            if record.role != self.peer_role:
+                raise ConfigError(f"role mismatch: {record.peer_id!r} registered as {record.role}, expected a "
+                                  f"{self.peer_role} rank")  # fmt: skip
+            check_compatible(self.config.layout, record, me=f"{self.role} rank {self.peer_id!r}")
+            if record.backend != self.config.transport.backend:
+                raise ConfigError(
+                    f"backend mismatch: {self.peer_id!r} uses {self.config.transport.backend!r}, "
+                    f"{record.peer_id!r} uses {record.backend!r}"
+                )
+        except ConfigError as exc:
+            log.error("%s: %s", self.peer_id, exc)
+            self._incompatible[record.peer_id] = str(exc)
+            for envelope in self._pending_sends.pop(record.peer_id, deque()):
+                self._feed(SendFailed(record.peer_id, envelope, str(exc)))
+            return
+        old = self._records.get(record.peer_id)
+        if old is not None and old.control_address != record.control_address:
+            self.channel.forget_peer(old.control_address)
+            self._peer_of_address.pop(old.control_address, None)
+        self._records[record.peer_id] = record
+        self._peer_of_address[record.control_address] = record.peer_id
+        self._peer_changed(old, record)
+        for envelope in self._pending_sends.pop(record.peer_id, deque()):
+            self._send(record.peer_id, envelope)
+
+    def _outcome(self, outcome: RoomOutcome) -> None:
+        if not outcome.ok:
+            self.metrics.room_failed(outcome.reason)
+            log.info("%s: room %d failed: %s", self.peer_id, outcome.room, outcome.reason)
+        self._outcomes.append(outcome)
+
+    def _complete(self, token: int, ok: bool, reason: str = "") -> None:
+        self._feed(Completion(token, ok, reason))
+
+    def _poll_transport(self) -> None:
+        """Writers override; readers have nothing to poll (one-sided writes)."""
+
+    def _refresh_snapshot(self) -> None:
+        stats = self.endpoint.stats.snapshot()
+        self.metrics.set_rooms("open", len(self.endpoint.open_rooms()))
+        self.metrics.set_rooms("succeeded", stats.get("rooms_succeeded", 0))
+        self.metrics.set_rooms("failed", stats.get("rooms_failed", 0))
+        self._snapshot = self._make_snapshot(stats)
+
+    def _make_snapshot(self, stats: dict[str, int]) -> AgentSnapshot:
+        return AgentSnapshot(
+            open_rooms=len(self.endpoint.open_rooms()),
+            quiescent=self.endpoint.is_quiescent(),
+            pending_sends=sum(len(q) for q in self._pending_sends.values()),
+            stats=stats,
+        )

@@ -1,0 +1,165 @@
+"""`DecodeAgent`: the decode rank's agent. It owns the staging ring's bytes and scatters arrived chunks.
+
+Owns: the ring region (allocated from the data transport and published in the bootstrap record as "ring", which
+is how writers learn where to write), the registration of the engine's KV pool for direct-path writes ("pool",
+where the backend can export it), scatters in flight per room, and the pairing of RoomFailed with FreePages so a
+failed room's outcome reaches the engine only when its pages are truly free.
+
+Invariants: a scatter runs on the copy thread and its ring region is freed (by the endpoint) only after its
+Completion; FenceScatter completes only once the room has no scatter in flight; a failed room is reported with
+its pages only after the endpoint released them (FreePages). Called by decode engines through `kvstage.runtime`.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, cast
+
+from kvstage.dataplane import KVPool, scatter_region
+from kvstage.errors import ConfigError
+from kvstage.layout import Chunk
+from kvstage.protocol import (
+    DecodeConfig,
+    DecodeEndpoint,
+    ExpectRoom,
+    FenceScatter,
+    FreePages,
+    RoomFailed,
+    RoomSucceeded,
+    Scatter,
+)
+from kvstage.ring import StagingRing
+from kvstage.runtime.agent import AgentConfig, AgentSnapshot, BaseAgent, RoomOutcome, export_pool
+from kvstage.runtime.copier import CopyDone
+from kvstage.transport.data import (
+    LocalRegion,
+    encode_descriptor,
+)
+
+
+class DecodeAgent(BaseAgent):
+    """Decode rank: owns the staging ring's bytes, scatters arrived chunks into the engine's KV pool."""
+
+    role = "decode"
+    peer_role = "prefill"
+    endpoint: DecodeEndpoint
+
+    def __init__(self, config: AgentConfig, pool: KVPool) -> None:
+        if config.ring_bytes <= 0 or config.chunk_tokens <= 0:
+            raise ConfigError("a decode agent needs ring_bytes > 0 and chunk_tokens > 0")
+        super().__init__(config, pool)
+        self._failed: dict[int, str] = {}
+        self._freed: dict[int, tuple[int, ...]] = {}
+        self._scatters: dict[int, int] = {}  # room -> scatters in flight on the copy thread
+        self._fences: dict[int, list[int]] = {}  # room -> FenceScatter tokens waiting for those scatters
+        self.ring_region: LocalRegion
+
+    # ---- engine-facing -----------------------------------------------------------------------------------
+
+    def expect_room(
+        self,
+        room: int,
+        prefill_peers: tuple[str, ...],
+        num_tokens: int,
+        prefix_tokens: int,
+        pages: tuple[int, ...],
+        timeout_s: float,
+    ) -> None:
+        """Register `room` before anything is announced (R2). `pages` are the engine's pages for tokens
+        [0, num_tokens); kvstage writes tokens [prefix_tokens, num_tokens) into them until the room's outcome."""
+        deadline = time.monotonic() + timeout_s
+        self._events.put(ExpectRoom(room, tuple(prefill_peers), num_tokens, prefix_tokens, tuple(pages), deadline))
+
+    # ---- hooks -------------------------------------------------------------------------------------------
+
+    def _setup_memory(self) -> dict[str, bytes]:
+        self.ring_region = self.transport.allocate(self.config.ring_bytes)
+        return {"ring": encode_descriptor(self.transport.export(self.ring_region)), **export_pool(self)}
+
+    def _make_endpoint(self) -> DecodeEndpoint:
+        cfg = self.config
+        ring = StagingRing(cfg.ring_bytes, cfg.ring_alignment)
+        return DecodeEndpoint(
+            DecodeConfig(
+                peer_id=self.peer_id,
+                layout=cfg.layout,
+                tp_size=cfg.tp_size,
+                rank=cfg.rank,
+                chunk_tokens=cfg.chunk_tokens,
+                ring_bytes=cfg.ring_bytes,
+                ring_alignment=cfg.ring_alignment,
+                timing=cfg.timing,
+                limits=cfg.limits,
+            ),
+            self.session,
+            ring=ring,
+            codec=self._codec,
+        )
+
+    def _execute(self, action: Any) -> None:
+        if isinstance(action, Scatter):
+            self._scatter(action)
+        elif isinstance(action, FenceScatter):
+            if self._scatters.get(action.room):
+                self._fences.setdefault(action.room, []).append(action.token)
+            else:
+                self._complete(action.token, True)
+        elif isinstance(action, FreePages):
+            self._freed[action.room] = tuple(action.pages)
+            self._maybe_report_failure(action.room)
+        elif isinstance(action, RoomFailed):
+            self._failed[action.room] = action.reason
+            self._maybe_report_failure(action.room)
+        elif isinstance(action, RoomSucceeded):
+            self._outcome(RoomOutcome(action.room, True))
+        else:
+            raise TypeError(f"decode agent cannot execute {action!r}")
+
+    def _maybe_report_failure(self, room: int) -> None:
+        if room in self._failed and room in self._freed:
+            self._outcome(RoomOutcome(room, False, self._failed.pop(room), self._freed.pop(room)))
+
+    def _scatter(self, action: Scatter) -> None:
+        """Scatter on the copy thread; the room's in-flight count lets FenceScatter wait for it."""
+        self._scatters[action.room] = self._scatters.get(action.room, 0) + 1
+        ring = self.ring_region.tensor
+        chunk = Chunk(action.chunk, 0, action.plan.num_tokens)
+        self.copier.submit(
+            (action.token, action.room),
+            lambda: scatter_region(ring, action.region.offset, action.plan, self.pool, action.pages, chunk),
+        )
+
+    def _copy_done(self, done: CopyDone) -> None:
+        token, room = cast(tuple[int, int], done.key)
+        left = self._scatters[room] - 1
+        if left:
+            self._scatters[room] = left
+        else:
+            del self._scatters[room]
+        if done.ok:
+            self.metrics.scatter_done(done.seconds)
+        self._complete(token, done.ok, "" if done.ok else f"scatter failed: {done.reason}")
+        if not left:
+            for fence in self._fences.pop(room, []):
+                self._complete(fence, True)
+
+    def _after_turn(self) -> None:
+        ring = self.endpoint.ring
+        live = ring.live()
+        lag = 0
+        if live:
+            wm = ring.watermark
+            lag = (live[-1].round - wm.round) * ring.capacity_bytes + live[-1].end - wm.tail
+        self.metrics.set_ring(ring.live_bytes, ring.high_water, lag)
+
+    def _make_snapshot(self, stats: dict[str, int]) -> AgentSnapshot:
+        base = super()._make_snapshot(stats)
+        ring = self.endpoint.ring
+        return AgentSnapshot(
+            open_rooms=base.open_rooms,
+            quiescent=base.quiescent and not self._failed and not self._freed and not self._scatters,
+            ring_live_bytes=ring.live_bytes,
+            ring_high_water=ring.high_water,
+            pending_sends=base.pending_sends,
+            stats=stats,
+        )

@@ -1,0 +1,111 @@
+"""Where each peer lives: a background resolver that keeps an agent's view of its peers' bootstrap records fresh.
+
+Owns `Resolver`: one thread with its own `BootstrapClient` that looks up, in one request per round, every peer id
+the agent has asked about, and posts a record to the agent whenever a peer is new or its registration changed
+(a restart registers a newer session, often with a new control address and new transport descriptors). The same
+round checks the agent's own record and registers it again if the bootstrap service lost it (a restarted
+bootstrap starts empty), so the directory heals without restarting any rank.
+
+Invariants: the agent thread never blocks on the bootstrap service (lookups happen here); the set of peers asked
+about is capped (`max_peers`); a failed lookup is logged and retried next round, never fatal. Called by
+runtime/agent.py.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+from kvstage.errors import KVStageError
+from kvstage.transport.bootstrap import BootstrapClient, PeerRecord
+
+log = logging.getLogger(__name__)
+
+
+class Resolver:
+    """Resolves peer ids to `PeerRecord`s; `post(record)` is called on this thread for every new registration."""
+
+    def __init__(
+        self,
+        bootstrap: str,
+        post: Callable[[PeerRecord], None],
+        *,
+        refresh_s: float = 1.0,
+        max_peers: int = 1024,
+        name: str = "resolver",
+    ) -> None:
+        self._bootstrap = bootstrap
+        self._post = post
+        self._refresh_s = refresh_s
+        self._max_peers = max_peers
+        self._lock = threading.Lock()
+        self._wanted: set[str] = set()
+        self._seen: dict[str, tuple[int, str]] = {}
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._own: PeerRecord | None = None
+        self._thread = threading.Thread(target=self._run, name=f"kvstage-{name}", daemon=True)
+
+    def publish(self, record: PeerRecord) -> None:
+        """Keep `record` (this agent's own) registered: re-register it whenever the bootstrap has lost it."""
+        with self._lock:
+            self._own = record
+
+    def start(self) -> Resolver:
+        self._thread.start()
+        return self
+
+    def want(self, peer_id: str) -> bool:
+        """Ask for `peer_id` to be resolved (now and on every refresh); False if the peer cap is reached."""
+        with self._lock:
+            if peer_id not in self._wanted:
+                if len(self._wanted) >= self._max_peers:
+                    return False
+                self._wanted.add(peer_id)
+            self._seen.pop(peer_id, None)
+        self._wake.set()
+        return True
+
+    def close(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(5)
+
+    def _run(self) -> None:
+        client = BootstrapClient(self._bootstrap, timeout_s=2.0)
+        try:
+            while not self._stop.is_set():
+                self._wake.wait(self._refresh_s)
+                self._wake.clear()
+                if self._stop.is_set():
+                    break
+                self._round(client)
+        finally:
+            client.close()
+
+    def _round(self, client: BootstrapClient) -> None:
+        with self._lock:
+            wanted = sorted(self._wanted)
+            own = self._own
+        if own is not None:
+            wanted.append(own.peer_id)
+        if not wanted:
+            return
+        try:
+            records = client.lookup(wanted)
+            if own is not None and own.peer_id not in records:
+                log.warning("bootstrap %s lost the record of %s; registering it again", self._bootstrap, own.peer_id)
+                client.register(own)
+        except KVStageError as exc:
+            log.warning("bootstrap %s: lookup or registration failed, retrying: %s", self._bootstrap, exc)
+            return
+        if own is not None:
+            records.pop(own.peer_id, None)  # an agent never needs its own record posted back
+        for peer_id, record in records.items():
+            key = (record.session, record.control_address)
+            with self._lock:
+                if self._seen.get(peer_id) == key:
+                    continue
+                self._seen[peer_id] = key
+            self._post(record)

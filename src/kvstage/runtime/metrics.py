@@ -1,0 +1,171 @@
+"""Prometheus metrics of one agent, on the agent's own `CollectorRegistry`.
+
+Owns `AgentMetrics` (every metric an agent exports) and `BusyClock` (wall time during which at least one
+transfer was in flight: the union of the transfers' busy intervals, so overlapping transfers are not counted
+twice and idle gaps are not counted at all; throughput = bytes / busy seconds).
+
+Metrics (all prefixed `kvstage_`, all labelled with the agent's `role` and `peer`):
+- `ring_live_bytes`, `ring_high_water_bytes` (decode): bytes of the staging ring held by live or quarantined
+  allocations, and the most ever held;
+- `watermark_lag_bytes` (decode): bytes between the ring's watermark and its head, i.e. how far the oldest live
+  allocation holds writers back; `parked_chunks` (prefill): chunks waiting for ring space;
+- `rooms{state}`: open rooms by state (open / succeeded / failed, the last two as totals);
+- `transfer_bytes_total`, `transfer_seconds` (histogram), `transfer_busy_seconds_total`,
+  `transfer_throughput_bytes_per_second` (bytes over busy time), `transfer_ops_total`;
+- `room_failures_total{reason}`: failures by reason (reasons.py vocabulary);
+- `rejected_frames_total{reason}`: inbound frames dropped by the control channel or the protocol codec;
+- `internal_errors_total`: agent steps that raised unexpectedly (a bug; logged with its traceback).
+
+Invariants: nothing is registered on prometheus-client's global registry, so several agents (and tests) can live
+in one process. All methods are thread-safe (prometheus-client's are; `BusyClock` has a lock). Called by the
+runtime agents; read by `kvstage bench`, tests and an optional HTTP exporter (`serve_http`).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, start_http_server
+
+_LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+class BusyClock:
+    """Union of busy intervals: `begin()` when a transfer starts, `end()` when it completes, in any order."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._active = 0
+        self._since = 0.0
+        self._busy = 0.0
+
+    def begin(self, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            if self._active == 0:
+                self._since = now
+            self._active += 1
+
+    def end(self, now: float | None = None) -> float:
+        """Close one interval; returns the busy seconds added (non-zero only when the last one closes)."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            if self._active <= 0:
+                raise ValueError("BusyClock.end() without a matching begin()")
+            self._active -= 1
+            if self._active:
+                return 0.0
+            added = max(0.0, now - self._since)
+            self._busy += added
+            return added
+
+    def busy_seconds(self, now: float | None = None) -> float:
+        """Busy time so far, including the open interval if a transfer is in flight."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            return self._busy + (max(0.0, now - self._since) if self._active else 0.0)
+
+
+class AgentMetrics:
+    """Every metric of one agent, registered on `self.registry` (never the global registry)."""
+
+    def __init__(self, role: str, peer: str) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        labels = ("role", "peer")
+        self._labels = (role, peer)
+        reg = self.registry
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(f"kvstage_{name}", doc, labels, registry=reg)
+
+        self.ring_live_bytes = gauge("ring_live_bytes", "Staging-ring bytes held by live or quarantined allocations")
+        self.ring_high_water = gauge("ring_high_water_bytes", "Most staging-ring bytes ever held at once")
+        self.watermark_lag = gauge("watermark_lag_bytes", "Bytes between the ring watermark and the ring head")
+        self.parked_chunks = gauge("parked_chunks", "Chunks waiting for ring space on their decode peer")
+        self.throughput = gauge(
+            "transfer_throughput_bytes_per_second", "Transfer bytes over busy wall time (union of intervals)"
+        )
+        self.rooms = Gauge("kvstage_rooms", "Rooms by state", (*labels, "state"), registry=reg)
+        self.transfer_bytes = Counter("kvstage_transfer_bytes", "Bytes moved by data transfers", labels, registry=reg)
+        self.transfer_ops = Counter("kvstage_transfer_ops", "Transfer operations issued", labels, registry=reg)
+        self.busy_seconds = Counter(
+            "kvstage_transfer_busy_seconds", "Wall time with at least one transfer in flight", labels, registry=reg
+        )
+        self.transfer_seconds = Histogram(
+            "kvstage_transfer_seconds", "Latency of one transfer", labels, buckets=_LATENCY_BUCKETS, registry=reg
+        )
+        self.scatter_seconds = Histogram(
+            "kvstage_scatter_seconds", "Latency of one chunk scatter", labels, buckets=_LATENCY_BUCKETS, registry=reg
+        )
+        self.failures = Counter("kvstage_room_failures", "Room failures by reason", (*labels, "reason"), registry=reg)
+        self.rejected = Counter(
+            "kvstage_rejected_frames", "Inbound frames dropped, by reason", (*labels, "reason"), registry=reg
+        )
+        self.internal_errors = Counter(
+            "kvstage_internal_errors", "Agent steps that raised unexpectedly (logged with a traceback)", labels,
+            registry=reg,
+        )  # fmt: skip
+        self.clock = BusyClock()
+        self._bytes_moved = 0
+        self._lock = threading.Lock()
+
+    # ---- updates -----------------------------------------------------------------------------------------
+    def transfer_started(self, now: float | None = None) -> None:
+        self.clock.begin(now)
+
+    def transfer_finished(self, nbytes: int, seconds: float, ops: int, ok: bool, now: float | None = None) -> None:
+        """Account one finished transfer; failed ones count latency and busy time but no bytes."""
+        added = self.clock.end(now)
+        self.busy_seconds.labels(*self._labels).inc(added)
+        self.transfer_seconds.labels(*self._labels).observe(seconds)
+        self.transfer_ops.labels(*self._labels).inc(ops)
+        if ok:
+            self.transfer_bytes.labels(*self._labels).inc(nbytes)
+            with self._lock:
+                self._bytes_moved += nbytes
+        busy = self.clock.busy_seconds(now)
+        if busy > 0:
+            with self._lock:
+                self.throughput.labels(*self._labels).set(self._bytes_moved / busy)
+
+    def scatter_done(self, seconds: float) -> None:
+        self.scatter_seconds.labels(*self._labels).observe(seconds)
+
+    def room_failed(self, reason: str) -> None:
+        self.failures.labels(*self._labels, reason).inc()
+
+    def internal_error(self) -> None:
+        self.internal_errors.labels(*self._labels).inc()
+
+    def frame_rejected(self, reason: str) -> None:
+        self.rejected.labels(*self._labels, reason).inc()
+
+    def set_rooms(self, state: str, count: int) -> None:
+        self.rooms.labels(*self._labels, state).set(count)
+
+    def set_ring(self, live_bytes: int, high_water: int, lag_bytes: int) -> None:
+        self.ring_live_bytes.labels(*self._labels).set(live_bytes)
+        self.ring_high_water.labels(*self._labels).set(high_water)
+        self.watermark_lag.labels(*self._labels).set(lag_bytes)
+
+    def set_parked(self, count: int) -> None:
+        self.parked_chunks.labels(*self._labels).set(count)
+
+    # ---- reading -----------------------------------------------------------------------------------------
+    def value(self, name: str, **labels: str) -> float:
+        """Current value of sample `name` (e.g. "kvstage_room_failures_total") with these extra labels; 0 if absent."""
+        found = self.registry.get_sample_value(name, {"role": self._labels[0], "peer": self._labels[1], **labels})
+        return 0.0 if found is None else found
+
+    def bytes_moved(self) -> int:
+        with self._lock:
+            return self._bytes_moved
+
+    def exposition(self) -> bytes:
+        """The registry in Prometheus text format."""
+        return generate_latest(self.registry)
+
+    def serve_http(self, port: int, addr: str = "127.0.0.1") -> None:
+        """Expose this agent's registry over HTTP (`/metrics`) on a daemon thread."""
+        start_http_server(port, addr=addr, registry=self.registry)

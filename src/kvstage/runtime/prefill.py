@@ -1,0 +1,311 @@
+"""`PrefillAgent`: the prefill rank's agent. It gathers granted chunks and writes them to decode peers.
+
+Owns: the local source staging buffer (allocated from the data transport, managed by a `StagingRing`), the
+imported rings and pools of decode peers keyed by the decode session that published them, and the writes in
+flight. Staged path: gather the chunk's heads into a staging slot on the copy thread, then one bulk write into
+the decode ring. Direct path (matched TP): one write per contiguous run of each (layer, K/V, page) slice,
+straight into the decode pool.
+
+Invariants: a gather starts only once its staging slot no longer overlaps a write still in flight; a write goes
+only into memory of the decode session that granted it (`dst_session`), never into the ring or pool of a
+restarted incarnation (a grant from a newer session waits, bounded by the liveness timeout, for that session's
+record); every write ends in exactly one Completion. Called by prefill engines through `kvstage.runtime`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, cast
+
+from kvstage.dataplane import KVPool, PoolGeometry, SliceCopy, gather, plan_direct_slices
+from kvstage.errors import KVStageError, StagingOversized
+from kvstage.layout import heads_of_rank
+from kvstage.protocol import (
+    AttachRoom,
+    ComputeScheduled,
+    KVReady,
+    PrefillConfig,
+    PrefillEndpoint,
+    RoomFailed,
+    RoomSucceeded,
+    WriteDirect,
+    WriteRegion,
+)
+from kvstage.ring import Allocation, StagingRing, region_ready
+from kvstage.runtime.agent import AgentConfig, AgentSnapshot, BaseAgent, RoomOutcome, export_pool
+from kvstage.runtime.copier import CopyDone
+from kvstage.transport.bootstrap import PeerRecord
+from kvstage.transport.data import (
+    LocalRegion,
+    RemoteRegion,
+    decode_descriptor,
+    encode_descriptor,
+)
+
+log = logging.getLogger(__name__)
+
+#: Reasons given to a write the runtime cannot carry out (logged; the room fails with "transfer failed").
+NO_RING = "no staging ring known for the decode peer"
+STALE_RING = "the decode peer restarted since it granted this region"
+NO_POOL = "the decode peer exported no KV pool for the direct path (the local backend cannot export engine memory)"
+
+
+@dataclass(slots=True)
+class _Write:
+    """One write in flight: staged (a slot of the local staging buffer) or direct (slices of the KV pool)."""
+
+    action: WriteRegion | WriteDirect
+    remote: RemoteRegion
+    nbytes: int
+    slot: Allocation | None = None
+    started: float = 0.0
+
+
+class PrefillAgent(BaseAgent):
+    """Prefill rank: gathers each granted chunk into local staging and bulk-writes it to the decode ring (staged
+    path), or writes the chunk's pages straight into the decode pool (direct path, matched TP)."""
+
+    role = "prefill"
+    peer_role = "decode"
+    endpoint: PrefillEndpoint
+
+    def __init__(self, config: AgentConfig, pool: KVPool) -> None:
+        super().__init__(config, pool)
+        # decode peer -> (its session, its ring) and (its session, its KV pool, the pool's geometry)
+        self._rings: dict[str, tuple[int, RemoteRegion]] = {}
+        self._pools: dict[str, tuple[int, RemoteRegion, PoolGeometry]] = {}
+        self._slab = StagingRing(config.staging_bytes, 64)
+        self._waiting: deque[_Write] = deque()
+        self._in_flight: dict[int, _Write] = {}
+        self._gathering: dict[int, _Write] = {}  # action token -> staged write whose gather is running
+        self._unresolved: list[tuple[float, WriteRegion | WriteDirect]] = []  # waiting for a newer decode record
+        self.staging_region: LocalRegion
+
+    # ---- engine-facing -----------------------------------------------------------------------------------
+
+    def attach_room(self, room: int, num_tokens: int, decode_tp: int, timeout_s: float) -> None:
+        """This rank computes `room` (`num_tokens` tokens) for a decode instance of TP `decode_tp`."""
+        self._events.put(AttachRoom(room, num_tokens, decode_tp, time.monotonic() + timeout_s))
+
+    def compute_scheduled(self, room: int, end_tokens: int) -> None:
+        """The next forward pass computes tokens [.., end_tokens) of `room`: staging is requested for them (R11)."""
+        self._events.put(ComputeScheduled(room, end_tokens))
+
+    def kv_ready(self, room: int, end_tokens: int, pages: tuple[int, ...]) -> None:
+        """KV of tokens [0, end_tokens) is computed in `pages`; kvstage reads them until the room's outcome."""
+        self._events.put(KVReady(room, end_tokens, tuple(pages)))
+
+    # ---- hooks -------------------------------------------------------------------------------------------
+
+    def _setup_memory(self) -> dict[str, bytes]:
+        self.staging_region = self.transport.allocate(self.config.staging_bytes)
+        export_pool(self)  # the pool is the source of direct-path writes
+        return {"staging": encode_descriptor(self.transport.export(self.staging_region))}
+
+    def _make_endpoint(self) -> PrefillEndpoint:
+        cfg = self.config
+        return PrefillEndpoint(
+            PrefillConfig(
+                peer_id=self.peer_id,
+                layout=cfg.layout,
+                tp_size=cfg.tp_size,
+                rank=cfg.rank,
+                timing=cfg.timing,
+                limits=cfg.limits,
+            ),
+            self.session,
+            codec=self._codec,
+        )
+
+    def _execute(self, action: Any) -> None:
+        if isinstance(action, WriteRegion | WriteDirect):
+            self._issue(action)
+        elif isinstance(action, RoomSucceeded):
+            self._outcome(RoomOutcome(action.room, True))
+        elif isinstance(action, RoomFailed):
+            self._outcome(RoomOutcome(action.room, False, action.reason))
+        else:
+            raise TypeError(f"prefill agent cannot execute {action!r}")
+
+    def _peer_changed(self, old: PeerRecord | None, record: PeerRecord) -> None:
+        self._peer_fenced(record.peer_id)
+        ring = self._import(record, "ring")
+        if ring is None:
+            log.error("%s: decode peer %r published no usable ring descriptor", self.peer_id, record.peer_id)
+            return
+        self._rings[record.peer_id] = (record.session, ring)
+        pool = self._import(record, "pool")
+        if pool is not None:
+            heads = len(heads_of_rank(self.config.layout.num_kv_heads, record.tp_size, record.rank))
+            pages = pool.nbytes // self.config.layout.bytes_per_page(heads)
+            self._pools[record.peer_id] = (record.session, pool, PoolGeometry(self.config.layout, heads, pages))
+
+    def _import(self, record: PeerRecord, name: str) -> RemoteRegion | None:
+        blob = record.descriptors.get(name)
+        if blob is None:
+            return None
+        try:
+            return self.transport.import_remote(decode_descriptor(blob))
+        except KVStageError as exc:
+            log.error("%s: cannot import the %s of %r: %s", self.peer_id, name, record.peer_id, exc)
+            return None
+
+    def _peer_fenced(self, peer: str) -> None:
+        ring = self._rings.pop(peer, None)
+        if ring is not None:
+            self.transport.forget_remote(ring[1])
+        pool = self._pools.pop(peer, None)
+        if pool is not None:
+            self.transport.forget_remote(pool[1])
+
+    def _target(self, action: WriteRegion | WriteDirect) -> tuple[int, RemoteRegion] | None:
+        if isinstance(action, WriteRegion):
+            return self._rings.get(action.peer)
+        pool = self._pools.get(action.peer)
+        return None if pool is None else (pool[0], pool[1])
+
+    def _issue(self, action: WriteRegion | WriteDirect) -> None:
+        """Start (or queue) one write, after checking that the target memory belongs to the granting session."""
+        target = self._target(action)
+        if target is None:
+            reason = NO_RING if isinstance(action, WriteRegion) else NO_POOL
+            if action.peer in self._records:
+                self._complete(action.token, False, reason)
+            else:
+                self._unresolved.append((time.monotonic(), action))
+            return
+        session, remote = target
+        if session < action.dst_session:
+            # granted by a newer incarnation whose record the resolver has not delivered yet: wait for it
+            self._unresolved.append((time.monotonic(), action))
+            self.resolver.want(action.peer)
+            return
+        if session != action.dst_session:
+            # the grant came from another incarnation of the decode rank: its memory is not this one
+            self._complete(action.token, False, f"{STALE_RING} (granted by session {action.dst_session}, "
+                           f"the peer now runs session {session})")  # fmt: skip
+            return
+        if isinstance(action, WriteRegion):
+            self._queue_staged(action, remote)
+        else:
+            self._write_direct(action, remote)
+
+    def _retry_unresolved(self) -> None:
+        """Re-issue writes whose decode record has arrived; fail those that waited past the liveness timeout."""
+        waiting, self._unresolved = self._unresolved, []
+        expired = time.monotonic() - self.config.timing.dead_after_s
+        for since, action in waiting:
+            target = self._target(action)
+            if target is not None and target[0] >= action.dst_session:
+                self._issue(action)
+            elif since < expired:
+                reason = NO_RING if isinstance(action, WriteRegion) else NO_POOL
+                self._complete(action.token, False, f"{reason} (session {action.dst_session} never registered)")
+            else:
+                self._unresolved.append((since, action))
+
+    def _queue_staged(self, action: WriteRegion, remote: RemoteRegion) -> None:
+        try:
+            slot = self._slab.allocate(action.block.nbytes)
+        except StagingOversized as exc:
+            self._complete(action.token, False, f"local staging: {exc}")
+            return
+        self._waiting.append(_Write(action, remote, action.block.nbytes, slot))
+        self._start_ready_writes()
+
+    def _start_ready_writes(self) -> None:
+        still: deque[_Write] = deque()
+        while self._waiting:
+            write = self._waiting.popleft()
+            assert write.slot is not None
+            if region_ready(write.slot, self._slab.watermark):
+                self._start_staged(write)
+            else:
+                still.append(write)
+        self._waiting = still
+
+    def _start_staged(self, write: _Write) -> None:
+        """Gather on the copy thread; the bulk write starts when the gather is done (`_copy_done`)."""
+        action = write.action
+        assert isinstance(action, WriteRegion) and write.slot is not None
+        transfer, staging, offset = action.block.transfer, self.staging_region.tensor, write.slot.offset
+        self._gathering[action.token] = write
+
+        def job() -> int:
+            heads = (transfer.src_head_start, transfer.num_heads)
+            return gather(self.pool, action.src_pages, 0, action.num_tokens, *heads, staging, offset)
+
+        self.copier.submit(action.token, job)
+
+    def _copy_done(self, done: CopyDone) -> None:
+        write = self._gathering.pop(cast(int, done.key))
+        assert isinstance(write.action, WriteRegion) and write.slot is not None
+        if not done.ok:
+            self._slab.free(write.slot)
+            self._complete(write.action.token, False, f"gather failed: {done.reason}")
+            return
+        self._submit(write, [(write.slot.offset, write.action.dst_offset, write.nbytes)], self.staging_region)
+
+    def _write_direct(self, action: WriteDirect, remote: RemoteRegion) -> None:
+        """One operation per contiguous run of each (layer, K/V, page) slice, page to page."""
+        geometry = self._pools[action.peer][2]
+        try:
+            slices = plan_direct_slices(
+                self.pool.geometry, geometry, action.transfer, action.src_pages, action.dst_pages, 0, action.num_tokens
+            )
+        except KVStageError as exc:
+            self._complete(action.token, False, f"direct plan failed: {exc}")
+            return
+        runs = [run for s in slices for run in _contiguous_runs(s)]
+        self._submit(_Write(action, remote, sum(run[2] for run in runs)), runs, self.pool_region)
+
+    def _submit(self, write: _Write, runs: list[tuple[int, int, int]], source: LocalRegion) -> None:
+        write.started = time.perf_counter()
+        self.metrics.transfer_started()
+        self._in_flight[self.transport.write_batch(source, write.remote, runs)] = write
+
+    def _poll_transport(self) -> None:
+        for done in self.transport.poll():
+            self._progressed()
+            write = self._in_flight.pop(done.transfer_id, None)
+            if write is None:
+                log.error("%s: completion for unknown transfer %d", self.peer_id, done.transfer_id)
+                continue
+            if write.slot is not None:
+                self._slab.free(write.slot)
+            self.metrics.transfer_finished(write.nbytes, time.perf_counter() - write.started, done.ops, done.ok)
+            self._complete(write.action.token, done.ok, "" if done.ok else f"transfer failed: {done.reason}")
+
+    def _after_turn(self) -> None:
+        if self._unresolved:
+            self._retry_unresolved()
+        if self._waiting:
+            self._start_ready_writes()
+        self.metrics.set_parked(self.endpoint.parked_count())
+
+    def _busy(self) -> bool:
+        return bool(self._in_flight)
+
+    def _make_snapshot(self, stats: dict[str, int]) -> AgentSnapshot:
+        base = super()._make_snapshot(stats)
+        return AgentSnapshot(
+            open_rooms=base.open_rooms,
+            quiescent=base.quiescent and not (self._in_flight or self._waiting or self._unresolved or self._gathering),
+            writes_in_flight=len(self._in_flight),
+            writes_waiting=len(self._waiting),
+            pending_sends=base.pending_sends,
+            stats=stats,
+        )
+
+
+def _contiguous_runs(copy: SliceCopy) -> list[tuple[int, int, int]]:
+    """(src, dst, length) byte runs of one slice: one if both sides are contiguous, else one per row."""
+    if copy.contiguous:
+        return [(copy.src_offset, copy.dst_offset, copy.nbytes)]
+    return [
+        (copy.src_offset + i * copy.src_stride, copy.dst_offset + i * copy.dst_stride, copy.row_bytes)
+        for i in range(copy.rows)
+    ]

@@ -1,0 +1,290 @@
+"""Bootstrap and rendezvous: where ranks register who they are and how to reach them, and check compatibility.
+
+Owns:
+- `PeerRecord`: what one rank publishes — peer id, role, instance, TP size and rank, `KVLayout`, control-plane
+  address, data backend, its transport descriptors (a decode rank publishes its staging ring's descriptor
+  here, which is how writers learn where to write), and its session (new and larger on every restart);
+- `BootstrapServer`: a small ZeroMQ ROUTER service, one thread owning its socket, holding at most
+  `max_records` records (a newer session replaces an older one; an older session never replaces a newer one);
+- `BootstrapClient`: blocking request/reply with a timeout, for one thread (agent start-up and the agents'
+  resolver threads, never an engine's scheduler thread);
+- `check_compatible`: the rendezvous check that both sides agree on layers, head_dim, dtype, page size and KV
+  heads; a mismatch raises `CompatibilityError` naming both values.
+
+Invariants: every request and record is decoded with msgspec under explicit bounds (frame size, string lengths,
+descriptor sizes, record count); a bad request gets an error reply and is counted, never crashes the service.
+Called by runtime/ agents, `kvstage bench`, and tests.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Annotated, Final, Literal
+
+import msgspec
+import zmq
+from msgspec import Meta
+
+from kvstage.errors import CompatibilityError, ProtocolError, TransportError
+from kvstage.layout import KVLayout
+
+log = logging.getLogger(__name__)
+
+MAX_FRAME_BYTES: Final = 8 * 2**20
+MAX_RECORDS: Final = 4096
+MAX_DESCRIPTORS: Final = 16
+MAX_DESCRIPTOR_BYTES: Final = 2**20 + 4096
+
+Name = Annotated[str, Meta(min_length=1, max_length=256)]
+Role = Literal["prefill", "decode"]
+
+
+class LayoutRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """`KVLayout` on the wire."""
+
+    num_layers: Annotated[int, Meta(ge=1, le=4096)]
+    num_kv_heads: Annotated[int, Meta(ge=1, le=4096)]
+    head_dim: Annotated[int, Meta(ge=1, le=65536)]
+    dtype: Annotated[str, Meta(max_length=32)]
+    page_size: Annotated[int, Meta(ge=1, le=2**20)]
+
+    @classmethod
+    def of(cls, layout: KVLayout) -> LayoutRecord:
+        return cls(layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.dtype, layout.page_size)
+
+    def to_layout(self) -> KVLayout:
+        return KVLayout(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype, self.page_size)
+
+
+class PeerRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One rank's published identity, layout, addresses and transport descriptors."""
+
+    peer_id: Name
+    role: Role
+    instance: Name
+    tp_size: Annotated[int, Meta(ge=1, le=1024)]
+    rank: Annotated[int, Meta(ge=0, lt=1024)]
+    layout: LayoutRecord
+    control_address: Name
+    backend: Annotated[str, Meta(max_length=32)]
+    session: Annotated[int, Meta(ge=0)]
+    descriptors: Annotated[
+        dict[Annotated[str, Meta(max_length=64)], Annotated[bytes, Meta(max_length=MAX_DESCRIPTOR_BYTES)]],
+        Meta(max_length=MAX_DESCRIPTORS),
+    ] = {}
+    chunk_tokens: Annotated[int, Meta(ge=0)] = 0
+
+
+class _Register(msgspec.Struct, frozen=True, tag="register"):
+    record: PeerRecord
+
+
+class _Unregister(msgspec.Struct, frozen=True, tag="unregister"):
+    peer_id: Name
+    session: Annotated[int, Meta(ge=0)]
+
+
+class _Lookup(msgspec.Struct, frozen=True, tag="lookup"):
+    peer_ids: Annotated[list[Name], Meta(max_length=MAX_RECORDS)]
+
+
+class _LookupInstance(msgspec.Struct, frozen=True, tag="lookup_instance"):
+    instance: Name
+    role: Role
+
+
+_Request = _Register | _Unregister | _Lookup | _LookupInstance
+
+
+class _Reply(msgspec.Struct, frozen=True):
+    ok: bool
+    error: str = ""
+    records: list[PeerRecord] = []
+
+
+_encoder = msgspec.msgpack.Encoder()
+_request_decoder = msgspec.msgpack.Decoder(_Request)
+_reply_decoder = msgspec.msgpack.Decoder(_Reply)
+
+
+def check_compatible(mine: KVLayout, theirs: PeerRecord, *, me: str = "this rank") -> None:
+    """`CompatibilityError` unless `theirs` uses the same layers, head_dim, dtype, page size and KV heads."""
+    other = theirs.layout
+    for field in ("num_layers", "head_dim", "dtype", "page_size", "num_kv_heads"):
+        a, b = getattr(mine, field), getattr(other, field)
+        if a != b:
+            raise CompatibilityError(
+                f"{field} mismatch: {me} has {field}={a!r} but {theirs.role} rank {theirs.peer_id!r} "
+                f"({theirs.instance}, rank {theirs.rank}/{theirs.tp_size}) has {field}={b!r}; "
+                "both sides of a handoff must serve the same model with the same KV cache settings"
+            )
+
+
+class BootstrapServer:
+    """Registry of `PeerRecord`s behind one ROUTER socket, owned by one thread."""
+
+    def __init__(
+        self,
+        bind: str = "tcp://127.0.0.1:*",
+        *,
+        max_records: int = MAX_RECORDS,
+        context: zmq.Context[zmq.Socket[bytes]] | None = None,
+    ) -> None:
+        self._bind = bind
+        self._max_records = max_records
+        self._context = context or zmq.Context.instance()
+        self._records: dict[str, PeerRecord] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._started = threading.Event()
+        self._start_error: zmq.ZMQError | None = None
+        self._address = ""
+        self.rejected = 0
+        self._thread = threading.Thread(target=self._run, name="kvstage-bootstrap", daemon=True)
+
+    @property
+    def address(self) -> str:
+        return self._address
+
+    def start(self) -> BootstrapServer:
+        self._thread.start()
+        self._started.wait()
+        if self._start_error is not None:
+            raise TransportError(f"bootstrap: cannot bind {self._bind}: {self._start_error}")
+        return self
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+    def __enter__(self) -> BootstrapServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def records(self) -> list[PeerRecord]:
+        with self._lock:
+            return list(self._records.values())
+
+    def _run(self) -> None:
+        try:
+            sock = self._context.socket(zmq.ROUTER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+            sock.bind(self._bind)
+            self._address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        except zmq.ZMQError as exc:
+            self._start_error = exc
+            self._started.set()
+            return
+        self._started.set()
+        try:
+            while not self._stop.is_set():
+                if not sock.poll(100, zmq.POLLIN):
+                    continue
+                parts = sock.recv_multipart(zmq.NOBLOCK)
+                if len(parts) != 3 or parts[1] != b"":
+                    self.rejected += 1
+                    continue
+                reply = self._handle(parts[2])
+                try:
+                    sock.send_multipart([parts[0], b"", _encoder.encode(reply)], zmq.NOBLOCK)
+                except zmq.Again:
+                    log.warning("bootstrap: reply dropped, client %r is not reading", parts[0])
+        finally:
+            sock.close(linger=0)
+
+    def _handle(self, frame: bytes) -> _Reply:
+        try:
+            request = _request_decoder.decode(frame)
+        except msgspec.MsgspecError as exc:
+            self.rejected += 1
+            return _Reply(False, f"bad request: {exc}")
+        with self._lock:
+            if isinstance(request, _Register):
+                return self._register(request.record)
+            if isinstance(request, _Unregister):
+                held = self._records.get(request.peer_id)
+                if held is not None and held.session == request.session:
+                    del self._records[request.peer_id]
+                return _Reply(True)
+            if isinstance(request, _Lookup):
+                return _Reply(True, records=[self._records[p] for p in request.peer_ids if p in self._records])
+            found = [r for r in self._records.values() if r.instance == request.instance and r.role == request.role]
+            return _Reply(True, records=sorted(found, key=lambda r: r.rank))
+
+    def _register(self, record: PeerRecord) -> _Reply:
+        held = self._records.get(record.peer_id)
+        if held is not None and held.session > record.session:
+            return _Reply(False, f"peer {record.peer_id!r} is registered with a newer session {held.session}")
+        if held is None and len(self._records) >= self._max_records:
+            return _Reply(False, f"bootstrap is full ({self._max_records} records)")
+        self._records[record.peer_id] = record
+        return _Reply(True)
+
+
+class BootstrapClient:
+    """Blocking client of a `BootstrapServer`, for one thread; every call times out after `timeout_s`."""
+
+    def __init__(
+        self, address: str, *, timeout_s: float = 5.0, context: zmq.Context[zmq.Socket[bytes]] | None = None
+    ) -> None:
+        self.address = address
+        self.timeout_s = timeout_s
+        self._context = context or zmq.Context.instance()
+        self._sock: zmq.Socket[bytes] | None = None
+
+    def register(self, record: PeerRecord) -> None:
+        self._call(_Register(record))
+
+    def unregister(self, peer_id: str, session: int) -> None:
+        self._call(_Unregister(peer_id, session))
+
+    def lookup(self, peer_ids: list[str]) -> dict[str, PeerRecord]:
+        """Records of the registered peers among `peer_ids` (absent ones are missing from the result)."""
+        return {r.peer_id: r for r in self._call(_Lookup(peer_ids)).records}
+
+    def lookup_instance(self, instance: str, role: Role) -> list[PeerRecord]:
+        """Every registered rank of `instance` in `role`, by rank."""
+        return self._call(_LookupInstance(instance, role)).records
+
+    def wait_for_instance(self, instance: str, role: Role, tp_size: int, timeout_s: float) -> list[PeerRecord]:
+        """Poll until all `tp_size` ranks of `instance` are registered; `TransportError` after `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            records = self.lookup_instance(instance, role)
+            if len(records) == tp_size and [r.rank for r in records] == list(range(tp_size)):
+                return records
+            if time.monotonic() > deadline:
+                raise TransportError(
+                    f"bootstrap: {role} instance {instance!r} has ranks {[r.rank for r in records]} "
+                    f"registered after {timeout_s}s, expected {tp_size}"
+                )
+            time.sleep(0.05)
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._sock = None
+
+    def _call(self, request: _Request) -> _Reply:
+        if self._sock is None:
+            self._sock = self._context.socket(zmq.REQ)
+            self._sock.setsockopt(zmq.LINGER, 0)
+            self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+            self._sock.connect(self.address)
+        self._sock.send(_encoder.encode(request))
+        if not self._sock.poll(int(self.timeout_s * 1000), zmq.POLLIN):
+            self.close()  # a REQ socket that missed its reply cannot send again; start over next call
+            raise TransportError(f"bootstrap {self.address} did not answer within {self.timeout_s}s")
+        try:
+            reply = _reply_decoder.decode(self._sock.recv())
+        except msgspec.MsgspecError as exc:
+            self.close()
+            raise ProtocolError(f"bootstrap {self.address} sent a bad reply: {exc}") from exc
+        if not reply.ok:
+            raise TransportError(f"bootstrap {self.address}: {reply.error}")
+        return reply

@@ -1,0 +1,221 @@
+"""A tiny engine in its own process, driving one PrefillAgent or DecodeAgent for the multi-process tests.
+
+Run as `python runtime_worker.py SPEC.json`. The spec names the role, rank, backend, bootstrap address and the room
+phases. Every process derives the same rooms from the seed (sizes, prefixes, which rooms are aborted and by which
+side), so prefill and decode agree without talking except through kvstage.
+
+Prefill fills each room's pages with seeded random KV for the heads it holds, and records a SHA-256 per (room,
+global head) of the tokens that must move. Decode records the same digest of what landed in its pages for each
+room that succeeded. The test compares them: that is the bit-exact check across processes.
+
+Between phases a worker waits for a file to appear (the test creates it, e.g. after restarting a killed rank).
+After its last phase a worker waits for quiescence, writes its result JSON, and then stays alive (its peers may
+still need its acknowledgements) until its stdin is closed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import random
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvstage.dataplane import KVPool
+from kvstage.layout import KVLayout, heads_of_rank
+from kvstage.protocol import Timing
+from kvstage.runtime import AgentConfig, DecodeAgent, PrefillAgent, RoomOutcome, peer_id
+from kvstage.transport.data import TransportConfig
+
+
+@dataclass(frozen=True)
+class RoomPlan:
+    room: int
+    num_tokens: int
+    prefix_tokens: int
+    abort_side: str  # "", "decode" or "prefill"
+    abort_after_s: float
+
+
+def plan_room(seed: int, room: int, max_tokens: int, page_size: int, abort_fraction: float) -> RoomPlan:
+    rng = random.Random(seed * 1_000_003 + room)
+    num_tokens = rng.randint(1, max_tokens)
+    prefix = 0
+    if num_tokens > page_size and rng.random() < 0.3:
+        prefix = page_size * rng.randint(1, (num_tokens - 1) // page_size)
+    abort_side = ""
+    if rng.random() < abort_fraction:
+        abort_side = rng.choice(("decode", "prefill"))
+    return RoomPlan(room, num_tokens, prefix, abort_side, rng.uniform(0.0, 0.03))
+
+
+def room_kv(seed: int, plan: RoomPlan, layout: KVLayout) -> torch.Tensor:
+    """Seeded KV bytes of the whole room: uint8 `[2, L, tokens, H, head_bytes]`."""
+    gen = torch.Generator().manual_seed(seed * 7919 + plan.room)
+    shape = (2, layout.num_layers, plan.num_tokens, layout.num_kv_heads, layout.head_bytes)
+    return torch.randint(0, 256, shape, dtype=torch.uint8, generator=gen)
+
+
+def byte_view(pool: KVPool) -> torch.Tensor:
+    """`[2, L, slots, heads, head_bytes]` uint8 view of a pool."""
+    g = pool.geometry
+    return pool.flat.view(2, pool.layout.num_layers, g.num_slots, pool.num_heads, pool.layout.head_bytes)
+
+
+def head_digests(pool: KVPool, heads: range, pages: list[int], start: int, end: int) -> dict[str, str]:
+    slots = pool.slot_indices(pages, start, end)
+    data = byte_view(pool).index_select(2, slots)
+    return {
+        str(h): hashlib.sha256(data[:, :, :, i].contiguous().numpy().tobytes()).hexdigest() for i, h in enumerate(heads)
+    }
+
+
+class Worker:
+    def __init__(self, spec: dict) -> None:
+        self.spec = spec
+        self.layout = KVLayout(**spec["layout"])
+        self.role = spec["role"]
+        self.tp = spec["tp"]
+        self.rank = spec["rank"]
+        self.heads = heads_of_rank(self.layout.num_kv_heads, self.tp, self.rank)
+        page_size = self.layout.page_size
+        self.max_pages = -(-spec["max_tokens"] // page_size)
+        self.pool = KVPool(self.layout, len(self.heads), self.max_pages * spec["concurrency"])
+        timing = Timing(**spec["timing"])
+        config = AgentConfig(
+            instance=spec["instance"],
+            rank=self.rank,
+            tp_size=self.tp,
+            layout=self.layout,
+            bootstrap=spec["bootstrap"],
+            transport=TransportConfig(backend=spec["backend"]),
+            timing=timing,
+            chunk_tokens=spec["chunk_tokens"],
+            ring_bytes=spec["ring_bytes"],
+            staging_bytes=spec["ring_bytes"],
+        )
+        agent_cls = DecodeAgent if self.role == "decode" else PrefillAgent
+        self.agent = agent_cls(config, self.pool)
+        self.results: dict[str, dict] = {}
+        self.digests: dict[str, dict[str, str]] = {}
+
+    def plans(self, phase: dict) -> list[RoomPlan]:
+        s = self.spec
+        return [
+            plan_room(s["seed"], room, s["max_tokens"], self.layout.page_size, s["abort_fraction"])
+            for room in range(phase["first_room"], phase["first_room"] + phase["rooms"])
+        ]
+
+    def run(self) -> None:
+        self.agent.start()
+        try:
+            if self.role == "decode":  # like an engine at start-up: admit rooms once every prefill rank is up
+                self.agent.connect(self.spec["peer_instance"], self.spec["peer_tp"], timeout_s=120)
+            for phase in self.spec["phases"]:
+                if phase.get("wait_for"):
+                    while not Path(phase["wait_for"]).exists():
+                        time.sleep(0.02)
+                self.run_phase(phase)
+                if phase.get("report"):
+                    self.report(phase["report"])
+            for _ in sys.stdin:
+                pass
+        finally:
+            self.agent.close()
+
+    def run_phase(self, phase: dict) -> None:
+        self.results, self.digests = {}, {}
+        todo = self.plans(phase)
+        todo.reverse()
+        open_rooms: dict[int, tuple[RoomPlan, list[int], float]] = {}
+        aborts: list[tuple[float, int]] = []
+        hold = phase.get("hold_after_first_chunk", False)
+        while todo or open_rooms:
+            while todo and len(open_rooms) < self.spec["concurrency"]:
+                plan = todo.pop()
+                pages = self.pool.allocator.allocate(-(-plan.num_tokens // self.layout.page_size), plan.room)
+                self.submit(plan, pages, hold)
+                open_rooms[plan.room] = (plan, pages, time.monotonic())
+                if plan.abort_side == self.role:
+                    aborts.append((time.monotonic() + plan.abort_after_s, plan.room))
+            now = time.monotonic()
+            for due, room in [a for a in aborts if a[0] <= now]:
+                aborts.remove((due, room))
+                if room in open_rooms:
+                    self.agent.abort(room)
+            if hold and not todo and phase.get("marker") and not Path(phase["marker"]).exists():
+                time.sleep(0.5)  # let the first chunks land, then tell the test the rooms are mid-transfer
+                Path(phase["marker"]).touch()
+            for outcome in self.agent.poll():
+                plan, pages, _ = open_rooms.pop(outcome.room)
+                self.finish(plan, pages, outcome)
+            time.sleep(0.005)
+
+    def submit(self, plan: RoomPlan, pages: list[int], hold: bool) -> None:
+        timeout = self.spec["room_timeout_s"]
+        if self.role == "decode":
+            peers = tuple(peer_id(self.spec["peer_instance"], r) for r in range(self.spec["peer_tp"]))
+            self.agent.expect_room(plan.room, peers, plan.num_tokens, plan.prefix_tokens, tuple(pages), timeout)
+            return
+        kv = room_kv(self.spec["seed"], plan, self.layout)[:, :, :, self.heads.start : self.heads.stop]
+        slots = self.pool.slot_indices(pages, 0, plan.num_tokens)
+        byte_view(self.pool).index_copy_(2, slots, kv.contiguous())
+        self.digests[str(plan.room)] = head_digests(self.pool, self.heads, pages, plan.prefix_tokens, plan.num_tokens)
+        self.agent.attach_room(plan.room, plan.num_tokens, self.spec["peer_tp"], timeout)
+        step = 2 * self.spec["chunk_tokens"]
+        if hold:  # only the first chunk's KV is ever ready: the room stays mid-transfer
+            ends = [min(plan.num_tokens, plan.prefix_tokens + self.spec["chunk_tokens"])]
+        else:
+            ends = [*range(step, plan.num_tokens, step), plan.num_tokens]
+        for end in ends:
+            self.agent.compute_scheduled(plan.room, end)
+            self.agent.kv_ready(plan.room, end, tuple(pages))
+
+    def finish(self, plan: RoomPlan, pages: list[int], outcome: RoomOutcome) -> None:
+        entry = {"ok": outcome.ok, "reason": outcome.reason, "t": time.time()}
+        if self.role == "decode" and outcome.ok:
+            self.digests[str(plan.room)] = head_digests(
+                self.pool, self.heads, pages, plan.prefix_tokens, plan.num_tokens
+            )
+        if self.role == "decode" and not outcome.ok:
+            entry["pages_returned"] = sorted(outcome.pages) == sorted(pages)
+        self.pool.allocator.free(pages)
+        self.results[str(plan.room)] = entry
+
+    def report(self, path: str) -> None:
+        quiescent = self.agent.wait_quiescent(self.spec["quiesce_timeout_s"])
+        snap = self.agent.snapshot()
+        out = {
+            "role": self.role,
+            "rank": self.rank,
+            "rooms": self.results,
+            "digests": self.digests,
+            "quiescent": quiescent,
+            "ring_live_bytes": snap.ring_live_bytes,
+            "ring_high_water": snap.ring_high_water,
+            "pages_in_use": self.pool.allocator.in_use,
+            "stats": snap.stats,
+            "rejected_frames": self.agent.channel.rejected.total(),
+        }
+        tmp = Path(path + ".tmp")
+        tmp.write_text(json.dumps(out))
+        tmp.rename(path)
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s {sys.argv[1]} %(name)s %(message)s")
+    torch.set_num_threads(1)
+    Worker(json.loads(Path(sys.argv[1]).read_text())).run()
+    logging.warning("closed")
+    sys.stdout.flush()
+    os._exit(0)  # results are written and the agent is closed: skip native libraries' slow teardown
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,256 @@
+"""Agents in one process over real sockets and the local shared-memory transport: handoff, aborts, metrics,
+compatibility checks and failure paths. The cross-process acceptance is in test_multiprocess.py."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from kvstage.dataplane import KVPool
+from kvstage.errors import CompatibilityError
+from kvstage.layout import KVLayout, heads_of_rank
+from kvstage.protocol import Timing
+from kvstage.runtime import AgentConfig, DecodeAgent, PrefillAgent, RoomOutcome, peer_id
+from kvstage.transport.bootstrap import BootstrapServer
+
+LAYOUT = KVLayout(num_layers=2, num_kv_heads=4, head_dim=16, dtype="float16", page_size=4)
+TIMING = Timing(heartbeat_s=0.1, dead_after_s=2.0, retry_initial_s=0.02, retry_max_s=0.2)
+CHUNK = 8
+
+
+def _byte_view(pool: KVPool) -> torch.Tensor:
+    return pool.flat.view(2, LAYOUT.num_layers, pool.geometry.num_slots, pool.num_heads, LAYOUT.head_bytes)
+
+
+class Cluster:
+    def __init__(self, prefill_tp: int, decode_tp: int, layout: KVLayout = LAYOUT, ring_bytes: int = 16384) -> None:
+        self.bootstrap = BootstrapServer().start()
+        self.prefill_tp, self.decode_tp = prefill_tp, decode_tp
+        self.prefill = [self._agent(PrefillAgent, "P", prefill_tp, r, layout, ring_bytes) for r in range(prefill_tp)]
+        self.decode = [self._agent(DecodeAgent, "D", decode_tp, r, LAYOUT, ring_bytes) for r in range(decode_tp)]
+
+    def _agent(self, cls, instance, tp, rank, layout, ring_bytes):
+        pool = KVPool.for_rank(layout, tp, rank, num_pages=64)
+        config = AgentConfig(
+            instance=instance,
+            rank=rank,
+            tp_size=tp,
+            layout=layout,
+            bootstrap=self.bootstrap.address,
+            timing=TIMING,
+            chunk_tokens=CHUNK,
+            ring_bytes=ring_bytes,
+            staging_bytes=ring_bytes,
+        )
+        return cls(config, pool).start()
+
+    @property
+    def prefill_peers(self) -> tuple[str, ...]:
+        return tuple(peer_id("P", r) for r in range(self.prefill_tp))
+
+    def close(self) -> None:
+        for agent in self.decode + self.prefill:
+            agent.close()
+        self.bootstrap.close()
+
+
+@pytest.fixture
+def make_cluster():
+    made: list[Cluster] = []
+
+    def make(*args, **kw) -> Cluster:
+        made.append(Cluster(*args, **kw))
+        return made[-1]
+
+    yield make
+    for cluster in made:
+        cluster.close()
+
+
+def _wait(agent, count: int, timeout: float = 20.0) -> dict[int, RoomOutcome]:
+    got: dict[int, RoomOutcome] = {}
+    deadline = time.monotonic() + timeout
+    while len(got) < count and time.monotonic() < deadline:
+        got.update({o.room: o for o in agent.poll()})
+        time.sleep(0.005)
+    assert len(got) == count, f"{agent.peer_id}: {len(got)} of {count} outcomes: {got}"
+    return got
+
+
+def _run_room(cluster: Cluster, room: int, num_tokens: int, prefix: int = 0) -> dict:
+    """Fill prefill pools with random KV, hand the room off, return the pages used on each side."""
+    kv = torch.randint(0, 256, (2, LAYOUT.num_layers, num_tokens, LAYOUT.num_kv_heads, LAYOUT.head_bytes)).to(
+        torch.uint8
+    )
+    npages = -(-num_tokens // LAYOUT.page_size)
+    sides = {"kv": kv, "decode": [], "prefill": []}
+    for agent in cluster.decode:
+        pages = agent.pool.allocator.allocate(npages, room)
+        sides["decode"].append(pages)
+        agent.expect_room(room, cluster.prefill_peers, num_tokens, prefix, tuple(pages), timeout_s=20)
+    for rank, agent in enumerate(cluster.prefill):
+        pages = agent.pool.allocator.allocate(npages, room)
+        sides["prefill"].append(pages)
+        heads = heads_of_rank(LAYOUT.num_kv_heads, cluster.prefill_tp, rank)
+        slots = agent.pool.slot_indices(pages, 0, num_tokens)
+        _byte_view(agent.pool).index_copy_(2, slots, kv[:, :, :, heads.start : heads.stop].contiguous())
+        agent.attach_room(room, num_tokens, cluster.decode_tp, timeout_s=20)
+        agent.compute_scheduled(room, num_tokens)
+        agent.kv_ready(room, num_tokens, tuple(pages))
+    return sides
+
+
+def _assert_landed(cluster: Cluster, sides: dict, prefix: int) -> None:
+    kv = sides["kv"]
+    for rank, agent in enumerate(cluster.decode):
+        heads = heads_of_rank(LAYOUT.num_kv_heads, cluster.decode_tp, rank)
+        slots = agent.pool.slot_indices(sides["decode"][rank], prefix, kv.shape[2])
+        got = _byte_view(agent.pool).index_select(2, slots)
+        assert torch.equal(got, kv[:, :, prefix:, heads.start : heads.stop])
+
+
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 1), (1, 2), (4, 2)])
+def test_rooms_land_bit_exact_and_leave_the_ring_empty(make_cluster, prefill_tp, decode_tp):
+    cluster = make_cluster(prefill_tp, decode_tp)
+    rooms = {1: (37, 0), 2: (8, 0), 3: (50, 16)}
+    sides = {room: _run_room(cluster, room, n, p) for room, (n, p) in rooms.items()}
+    for agent in cluster.decode + cluster.prefill:
+        outcomes = _wait(agent, len(rooms))
+        assert all(o.ok for o in outcomes.values()), outcomes
+    for room, (_, prefix) in rooms.items():
+        _assert_landed(cluster, sides[room], prefix)
+    for agent in cluster.decode:
+        assert agent.wait_quiescent(5)
+        assert agent.snapshot().ring_live_bytes == 0
+        assert agent.metrics.value("kvstage_rooms", state="succeeded") == len(rooms)
+        assert agent.metrics.value("kvstage_ring_high_water_bytes") > 0
+    for agent in cluster.prefill:
+        assert agent.wait_quiescent(5)
+        assert agent.metrics.value("kvstage_transfer_bytes_total") > 0
+        assert agent.metrics.value("kvstage_transfer_throughput_bytes_per_second") > 0
+
+
+def test_aborted_room_fails_on_both_sides_and_decode_gets_its_pages_back(make_cluster):
+    cluster = make_cluster(2, 1)
+    decode = cluster.decode[0]
+    pages = decode.pool.allocator.allocate(4, "room-9")
+    decode.expect_room(9, cluster.prefill_peers, 16, 0, tuple(pages), timeout_s=20)
+    for agent in cluster.prefill:
+        agent.attach_room(9, 16, 1, timeout_s=20)  # never computed: the room waits for KV
+    time.sleep(0.2)
+    decode.abort(9)
+    outcome = _wait(decode, 1)[9]
+    assert not outcome.ok and outcome.reason == "aborted by decode"
+    assert sorted(outcome.pages) == sorted(pages)
+    for agent in cluster.prefill:
+        assert _wait(agent, 1)[9].reason == "aborted by decode"
+    assert decode.wait_quiescent(5)
+    assert decode.metrics.value("kvstage_room_failures_total", reason="aborted by decode") == 1
+
+
+def test_room_times_out_when_its_prefill_rank_never_registers(make_cluster):
+    cluster = make_cluster(1, 2)
+    decode = cluster.decode[0]
+    pages = decode.pool.allocator.allocate(2, "r")
+    decode.expect_room(5, ("ghost/0",), 8, 0, tuple(pages), timeout_s=0.5)
+    outcome = _wait(decode, 1, timeout=10)[5]
+    assert not outcome.ok and outcome.reason == "timeout"
+    assert sorted(outcome.pages) == sorted(pages)
+
+
+def test_incompatible_prefill_layout_is_refused_with_both_values(make_cluster):
+    other = KVLayout(num_layers=2, num_kv_heads=4, head_dim=16, dtype="bfloat16", page_size=4)
+    cluster = make_cluster(2, 1, layout=other)
+    decode = cluster.decode[0]
+    with pytest.raises(CompatibilityError, match=r"dtype=.float16.*dtype=.bfloat16."):
+        decode.connect("P", 2, timeout_s=5)
+    pages = decode.pool.allocator.allocate(2, "r")
+    decode.expect_room(3, cluster.prefill_peers, 8, 0, tuple(pages), timeout_s=10)
+    outcome = _wait(decode, 1)[3]
+    assert not outcome.ok and outcome.reason == "send failed"
+
+
+def test_compatible_instance_connects_and_returns_its_peer_ids(make_cluster):
+    cluster = make_cluster(4, 2)
+    assert cluster.decode[1].connect("P", 4, timeout_s=5) == cluster.prefill_peers
+
+
+def test_failed_bulk_write_fails_the_room_with_a_reason_and_the_agents_keep_serving(make_cluster):
+    cluster = make_cluster(2, 1)
+    decode = cluster.decode[0]
+    decode.transport.unregister(decode.ring_region)  # the ring's memory is gone: every write into it fails
+    _run_room(cluster, 4, 16)
+    reasons = [_wait(agent, 1)[4].reason for agent in cluster.prefill]
+    # the first writer to fail aborts the room; decode then aborts it on the other writer, whichever comes first
+    assert "transfer failed" in reasons and set(reasons) <= {"transfer failed", "aborted by decode"}
+    assert sum(a.metrics.value("kvstage_room_failures_total", reason="transfer failed") for a in cluster.prefill) >= 1
+    decode_outcome = _wait(decode, 1)[4]
+    assert not decode_outcome.ok and decode_outcome.reason == "aborted by prefill"
+    assert decode.wait_quiescent(5) and decode.snapshot().ring_live_bytes == 0
+    for agent in cluster.prefill:
+        assert agent._thread.is_alive()
+
+
+def test_matched_tp_room_on_a_backend_without_exportable_pools_fails_explicitly(make_cluster):
+    """P == D takes the direct path; the local backend cannot export engine memory, so the room fails, loudly."""
+    cluster = make_cluster(2, 2)
+    _run_room(cluster, 6, 12)
+    reasons = [_wait(agent, 1)[6].reason for agent in cluster.prefill]
+    assert "transfer failed" in reasons and set(reasons) <= {"transfer failed", "aborted by decode"}
+    for agent in cluster.decode:
+        assert not _wait(agent, 1)[6].ok
+        assert agent.wait_quiescent(5)
+
+
+def test_garbage_on_an_agents_control_socket_is_counted_and_rooms_still_succeed(make_cluster):
+    import zmq
+
+    cluster = make_cluster(2, 1)
+    decode = cluster.decode[0]
+    raw = zmq.Context.instance().socket(zmq.DEALER)
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.connect(decode.channel.address)
+    try:
+        raw.send(b"\x93not an envelope")
+        raw.send(b"\xff" * 64)
+        sides = _run_room(cluster, 11, 20)
+        assert _wait(decode, 1)[11].ok
+        _assert_landed(cluster, sides, 0)
+    finally:
+        raw.close(linger=0)
+    assert decode.metrics.value("kvstage_rejected_frames_total", reason="undecodable") == 2
+
+
+def test_restarted_bootstrap_service_is_repopulated_by_the_running_agents():
+    import socket
+
+    from kvstage.transport.bootstrap import BootstrapClient
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    address = f"tcp://127.0.0.1:{port}"
+    first = BootstrapServer(address).start()
+    pool = KVPool.for_rank(LAYOUT, 1, 0, num_pages=8)
+    config = AgentConfig(
+        instance="P", rank=0, tp_size=1, layout=LAYOUT, bootstrap=address, timing=TIMING, resolve_refresh_s=0.1
+    )
+    agent = PrefillAgent(config, pool).start()
+    try:
+        first.close()  # the service dies and comes back empty on the same address
+        second = BootstrapServer(address).start()
+        try:
+            client = BootstrapClient(address)
+            deadline = time.monotonic() + 10
+            while "P/0" not in client.lookup(["P/0"]) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            record = client.lookup(["P/0"])["P/0"]
+            client.close()
+            assert record.session == agent.session
+            assert record.control_address == agent.channel.address
+        finally:
+            second.close()
+    finally:
+        agent.close()
