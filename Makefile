@@ -45,5 +45,9 @@ typecheck: $(STAMP_TEST)
 pytest: $(STAMP_TEST)
 	$(VENV)/bin/pytest -q
 
+# The deterministic simulator: 1000 seeds at the default fault level, over two processes.
+sim: $(STAMP_BASE)
+	$(VENV)/bin/kvstage sim --seeds 1000 --faults default --jobs 2
+
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -1,0 +1,71 @@
+"""Virtual time and the deterministic event queue of the simulator.
+
+Owns: `EventQueue`, a heap of pending world events keyed by `(time, seq)`. `seq` grows by one per push, so two
+events at the same instant always pop in the order they were scheduled, and a seed replays the same run.
+Cancellation is lazy (a cancelled entry is skipped when it surfaces), so cancel is O(1).
+
+Invariants: time never goes backwards; `pop` returns events in (time, seq) order. No wall clock is read here.
+Called by sim/world.py (scheduling every delivery, completion, timer and engine step) and sim/network.py.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(slots=True, eq=False)
+class Scheduled:
+    """One pending world event; the heap orders entries by the tuple (time, seq, entry)."""
+
+    time: float
+    seq: int
+    kind: str
+    payload: Any
+    cancelled: bool = False
+
+
+class EventQueue:
+    """A virtual clock plus a priority queue of `Scheduled` events."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[float, int, Scheduled]] = []
+        self._seq = 0
+        self.now = 0.0
+        self._live = 0
+
+    def push(self, time: float, kind: str, payload: Any = None) -> Scheduled:
+        """Schedule `kind` at `time` (clamped to now: nothing is scheduled in the past)."""
+        at = time if time > self.now else self.now
+        entry = Scheduled(at, self._seq, kind, payload)
+        heapq.heappush(self._heap, (at, self._seq, entry))
+        self._seq += 1
+        self._live += 1
+        return entry
+
+    def cancel(self, entry: Scheduled) -> None:
+        """Skip `entry` when it comes up; idempotent."""
+        if not entry.cancelled:
+            entry.cancelled = True
+            self._live -= 1
+
+    def pop(self) -> Scheduled | None:
+        """Advance the clock to the next live event and return it; None when nothing is pending."""
+        heap = self._heap
+        while heap:
+            entry = heapq.heappop(heap)[2]
+            if entry.cancelled:
+                continue
+            entry.cancelled = True  # popped: a later cancel() is a no-op
+            self._live -= 1
+            self.now = entry.time
+            return entry
+        return None
+
+    def __len__(self) -> int:
+        return self._live
+
+    def pending(self) -> list[Scheduled]:
+        """Live entries, in no particular order (for quiescence checks)."""
+        return [item[2] for item in self._heap if not item[2].cancelled]

@@ -1,0 +1,273 @@
+"""The invariant checker of the simulator: S1, S2, D1, L1, Q1 and B1 from docs/architecture.md.
+
+Owns `Checker` and `Violation`. The world calls the checker at every data operation (a write landing, a
+scatter completing, pages being freed, a room succeeding) and after every step; the first violation stops the
+run, and the runner prints the seed, the invariant and the trace tail.
+
+- S1: a write never lands in bytes of another live (room, chunk) staging region. Region ownership is learnt
+  from the decode ring itself (`TrackedRing` reports every allocate and free) and the Grants the endpoint sends.
+- S2: a scatter reads only a region that is still live and owned by its (room, chunk), and writes only pages its
+  room still holds; a write reads only prefill pages its room holds; a direct write lands only in pages its
+  room holds; pages are never freed twice or by someone who does not hold them.
+- D1: when a decode rank reports success, its KV pages for the room equal, bit for bit, what prefill computed
+  for its heads (only with tensor payloads on).
+- L1: every room ends (Succeeded or Failed with a known reason) on every rank that saw it, by its deadline.
+- Q1: at the end, rings are empty, every page is back, nothing is parked, nothing is in flight, and every
+  endpoint is quiescent with no open room.
+- B1: an endpoint only ever holds rooms the world created, and never more than that; hostile frames change
+  nothing but counters.
+- crash: an endpoint raised instead of answering an event (the world reports it like a violation).
+- R2 (a protocol rule checked directly, because its breakage is otherwise masked by retries): a decode rank
+  sends Metadata only for a room it has registered.
+
+Called by sim/world.py only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from kvstage.layout import heads_of_rank
+from kvstage.protocol import DecodeEndpoint, PrefillEndpoint, WriteDirect, WriteRegion
+from kvstage.protocol.actions import Scatter
+from kvstage.protocol.messages import Envelope, Grant, Metadata
+from kvstage.protocol.reasons import FAILURE_REASONS
+from kvstage.sim.memory import expected_kv
+
+if TYPE_CHECKING:
+    from kvstage.sim.world import Node, RoomState, World
+
+#: Virtual seconds a room may stay open past its deadline before L1 is violated (one retry round).
+DEADLINE_GRACE_S = 0.05
+
+
+@dataclass(frozen=True, slots=True)
+class Violation:
+    invariant: str
+    time: float
+    detail: str
+
+    def __str__(self) -> str:
+        return f"{self.invariant} at {self.time * 1000:.3f}ms: {self.detail}"
+
+
+class Checker:
+    """Checks one world; `violations` holds at most one entry (the run stops at the first)."""
+
+    def __init__(self, world: World) -> None:
+        self.world = world
+        self.violations: list[Violation] = []
+        self.hostile_sent = 0
+        self._deadlines = sorted((state.plan.deadline, room) for room, state in world.rooms.items())
+        self._next_deadline = 0
+        self._legit = frozenset(world.rooms)
+        self._announced: set[tuple[str, int]] = set()
+
+    def fail(self, invariant: str, detail: str) -> None:
+        if not self.violations:
+            self.violations.append(Violation(invariant, self.world.queue.now, detail))
+            self.world.trace.record(self.world.queue.now, "CHECK", f"VIOLATION {invariant}", detail)
+
+    # ---- ownership of staging regions -------------------------------------------------------------------------
+
+    def observe_decode_send(self, node: Node, envelope: Envelope) -> None:
+        """Label every ring region with the (room, chunk) of the Grant a decode rank sends for it, and check R2:
+        a decode rank announces (sends Metadata for) only a room it has registered."""
+        body = envelope.body
+        if isinstance(body, Grant) and body.end > body.offset and node.staging is not None:
+            node.staging.label(body.epoch, str(body.room), body.chunk)
+        elif isinstance(body, Metadata) and (node.peer_id, body.room) not in self._announced:
+            # the first Metadata is the announcement (a retry may share a call with the room's failure)
+            self._announced.add((node.peer_id, body.room))
+            endpoint = node.endpoint
+            assert isinstance(endpoint, DecodeEndpoint)
+            if endpoint.room_state(body.room) is None:
+                self.fail("R2", f"{node.peer_id} announced room {body.room} before registering it")
+
+    # ---- per data operation -----------------------------------------------------------------------------------
+
+    def check_source_pages(self, node: Node, action: WriteRegion | WriteDirect) -> None:
+        assert node.pool is not None
+        foreign = node.pool.foreign_pages(action.src_pages, str(action.room))
+        if foreign:
+            self.fail(
+                "S2",
+                f"{node.peer_id} writes room {action.room} chunk {action.chunk} from pages {foreign} it does not hold",
+            )
+
+    def check_region_write(self, target: Node, action: WriteRegion) -> None:
+        """S1. Bytes of an over-committed ring belong to the oldest live allocation covering them. A write must land
+        inside its own live region and may overlap only newer regions there (they wait for it). A write whose
+        region is already freed is a late write: the ring released quarantined space while a write could still
+        land (a fenced writer's late writes never get here, the world drops them)."""
+        assert target.staging is not None
+        start, end = action.dst_offset, action.dst_offset + action.block.nbytes
+        where = f"{target.peer_id}: write of room {action.room} chunk {action.chunk} (e{action.region.epoch})"
+        if end > target.staging.capacity_bytes:
+            self.fail("S1", f"{where} to [{start},{end}) overruns the ring")
+            return
+        mine = target.staging.owner(action.region.epoch)
+        if mine is None or (mine.room, mine.chunk) != (str(action.room), action.chunk):
+            clash = target.staging.overlapping(start, end, str(action.room), action.chunk)
+            victim = (
+                f", into live region e{clash[0].epoch} of room {clash[0].room} chunk {clash[0].chunk}" if clash else ""
+            )
+            self.fail("S1", f"{where} lands in [{start},{end}) after its region was freed{victim}")
+            return
+        if not (mine.offset <= start and end <= mine.end):
+            self.fail("S1", f"{where} to [{start},{end}) lands outside its region [{mine.offset},{mine.end})")
+            return
+        older = [
+            o for o in target.staging.overlapping(start, end, str(action.room), action.chunk) if o.epoch < mine.epoch
+        ]
+        if older:
+            other = older[0]
+            self.fail(
+                "S1",
+                f"{where} to [{start},{end}) lands in older live region e{other.epoch}[{other.offset},{other.end}) "
+                f"of room {other.room} chunk {other.chunk}: the writer ignored the watermark",
+            )
+
+    def check_direct_write(self, target: Node, action: WriteDirect) -> None:
+        assert target.pool is not None
+        foreign = target.pool.foreign_pages(action.dst_pages, str(action.room))
+        if foreign:
+            self.fail(
+                "S2",
+                f"{target.peer_id}: direct write of room {action.room} lands in pages {foreign} it no longer holds",
+            )
+
+    def check_scatter(self, node: Node, action: Scatter) -> None:
+        assert node.staging is not None and node.pool is not None
+        owner = node.staging.owner(action.region.epoch)
+        if owner is None or (owner.room, owner.chunk) != (str(action.room), action.chunk):
+            self.fail(
+                "S2",
+                f"{node.peer_id}: scatter of room {action.room} chunk {action.chunk} reads region "
+                f"e{action.region.epoch}[{action.region.offset},{action.region.end}) that is "
+                + ("freed" if owner is None else f"owned by room {owner.room} chunk {owner.chunk}"),
+            )
+            return
+        foreign = node.pool.foreign_pages(action.pages, str(action.room))
+        if foreign:
+            self.fail("S2", f"{node.peer_id}: scatter of room {action.room} writes pages {foreign} it released")
+
+    def check_room_kv(self, node: Node, state: RoomState) -> None:
+        """D1: the decode rank's pages hold exactly what prefill computed for its heads."""
+        world = self.world
+        if not world.payloads or node.kv is None:
+            return
+        plan, layout = state.plan, world.layout
+        pages = state.decode_pages[node.rank]
+        heads = heads_of_rank(layout.num_kv_heads, node.tp, node.rank)
+        got = node.kv.read(pages, 0, plan.num_tokens, 0, len(heads))
+        want = expected_kv(plan.key, 0, plan.num_tokens, heads, layout.num_layers, layout.head_dim)
+        if not np.array_equal(got, want):
+            bad = np.argwhere(got != want)
+            kv, layer, token, head = (int(x) for x in bad[0][:4])
+            self.fail(
+                "D1",
+                f"{node.peer_id}: room {plan.room[1:]} succeeded but {len(bad)} KV words differ, first at "
+                f"{'KV'[kv]} layer {layer} token {token} local head {head}",
+            )
+
+    def check_reason(self, node: Node, reason: str) -> None:
+        if reason not in FAILURE_REASONS:
+            self.fail("L1", f"{node.peer_id} failed a room with unknown reason {reason!r}")
+
+    # ---- after every step -------------------------------------------------------------------------------------
+
+    def after_feed(self, node: Node) -> None:
+        """B1 on the endpoint just fed: it holds only rooms the world created, and parks a bounded number; and the
+        timer half of Q1, checked at every step: no retry or deadline is pending for a room it forgot."""
+        endpoint = node.endpoint
+        if endpoint is None:
+            return
+        rooms = endpoint.open_rooms()
+        stray = rooms - self._legit
+        if stray:
+            self.fail("B1", f"{node.peer_id} holds state for rooms {sorted(stray)[:4]} that the world never created")
+        # (prefill keeps a ttl timer for metadata of rooms its engine has not attached yet, outside open_rooms())
+        dead = endpoint.rooms_with_timers() - rooms if node.side == "decode" else frozenset()
+        if dead:
+            self.fail("Q1", f"{node.peer_id} keeps a retry or deadline timer for forgotten rooms {sorted(dead)[:4]}")
+        if isinstance(endpoint, PrefillEndpoint):
+            limit = len(self._legit) * endpoint.config.limits.max_chunks_ahead * len(self.world.nodes)
+            if endpoint.parked_count() > limit:
+                self.fail("B1", f"{node.peer_id} parks {endpoint.parked_count()} chunks, more than {limit}")
+
+    def after_step(self) -> None:
+        """L1: every room whose deadline (plus grace) has passed has ended everywhere it was seen."""
+        now = self.world.queue.now
+        while self._next_deadline < len(self._deadlines):
+            deadline, room = self._deadlines[self._next_deadline]
+            if deadline + DEADLINE_GRACE_S > now:
+                return
+            self._next_deadline += 1
+            open_where = self.open_ranks(room)
+            if open_where:
+                self.fail("L1", f"room {room} is still open on {open_where} past its deadline {deadline * 1000:.1f}ms")
+                return
+
+    def open_ranks(self, room: int) -> list[str]:
+        """Ranks (or engines) on which `room` has not ended yet."""
+        world = self.world
+        state = world.rooms[room]
+        where: list[str] = []
+        if state.engine_failure is None:
+            if not state.decode_admitted:
+                where.append(f"D{state.plan.decode} engine queue")
+            else:
+                where += [f"D{state.plan.decode}.{r}" for r in state.decode_pages if r not in state.decode_outcome]
+        instance = world.prefill[state.plan.prefill]
+        if state.prefill_session == instance.session and not state.prefill_lost:
+            where += [f"P{instance.index}.{r}" for r in range(instance.tp) if r not in state.prefill_outcome]
+        return where
+
+    def all_rooms_done(self) -> bool:
+        return self._next_deadline >= len(self._deadlines) or all(not self.open_ranks(r) for r in self.world.rooms)
+
+    # ---- at the end ---------------------------------------------------------------------------------------------
+
+    def at_end(self) -> None:
+        """L1 for every room, then Q1."""
+        for room in sorted(self.world.rooms):
+            where = self.open_ranks(room)
+            if where:
+                self.fail("L1", f"room {room} never ended on {where}")
+                return
+        problems = self.quiescence_problems()
+        if problems:
+            self.fail("Q1", "; ".join(problems[:6]))
+
+    def quiescence_problems(self) -> list[str]:
+        world = self.world
+        problems: list[str] = []
+        if world.writes:
+            problems.append(f"{len(world.writes)} writes still in flight")
+        if any(world.scatters.values()) or world.fences:
+            problems.append("scatters or fences still in flight")
+        for node in world.nodes.values():
+            endpoint = node.endpoint
+            if endpoint is None:
+                continue
+            if node.ring is not None and node.ring.num_live:
+                live = ", ".join(f"e{a.epoch}[{a.offset},{a.end})" for a in node.ring.live()[:4])
+                problems.append(f"{node.peer_id}: ring still holds {node.ring.num_live} allocations ({live})")
+            if node.pool is not None and node.pool.in_use:
+                owners = sorted(set(node.pool.owners().values()))[:4]
+                problems.append(f"{node.pool.name}: {node.pool.in_use} pages not returned (rooms {owners})")
+            if endpoint.open_rooms():
+                problems.append(f"{node.peer_id}: rooms still open {sorted(endpoint.open_rooms())[:4]}")
+            if endpoint.rooms_with_timers():
+                problems.append(
+                    f"{node.peer_id}: timers still pending for rooms {sorted(endpoint.rooms_with_timers())[:4]}"
+                )
+            if isinstance(endpoint, PrefillEndpoint) and endpoint.parked_count():
+                problems.append(f"{node.peer_id}: {endpoint.parked_count()} chunks still parked")
+            if not endpoint.is_quiescent():
+                problems.append(f"{node.peer_id}: endpoint not quiescent (retries or work pending)")
+        return problems
