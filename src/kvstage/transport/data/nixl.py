@@ -17,6 +17,12 @@ libnl-route and the process dies with SIGSEGV in libnl-route's destructor at exi
 process therefore sets `UCX_MODULES=^ib` (inherited by child processes) before UCX loads: UCX then uses its
 TCP, shared-memory and CMA transports, which is all a CPU loopback or TCP network can use anyway.
 
+Progress thread. `nixl_agent` (1.5.1) starts its progress thread with a delay of 0 between polls, so every
+agent spins a core even when idle; on a small CPU machine that starves the copies and the peers it serves
+(measured: 2-4x lower loopback throughput on 2 cores). The agent is therefore built with the delay from
+`TransportConfig.nixl_progress_delay_us` (100 us by default; 0 restores NIXL's own), applied by handing
+`nixl_agent.__init__` a bindings module whose `nixlAgent` sets `pthrDelay` on the config it receives.
+
 Invariants: every NIXL error (a write outside the peer's registered memory, a disconnected peer, a backend
 error) becomes a failed completion with NIXL's status in the reason; a request still in progress after
 `TransportConfig.write_timeout_s` fails as timed out and is cancelled. Called through
@@ -25,10 +31,13 @@ error) becomes a failed completion with NIXL's status in the reason; a request s
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import logging
 import os
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -90,6 +99,37 @@ def load_nixl() -> _Nixl:
     return _Nixl(nixl_agent, nixl_agent_config, errors)
 
 
+_AGENT_CONSTRUCTION = threading.Lock()
+
+
+class _PacedBindings:
+    """NIXL's bindings module, except that `nixlAgent` applies a progress-thread delay to its config first."""
+
+    def __init__(self, bindings: Any, delay_us: int) -> None:
+        self._bindings = bindings
+        self._delay_us = delay_us
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._bindings, name)
+
+    def nixlAgent(self, name: str, agent_config: Any) -> Any:
+        agent_config.pthrDelay = self._delay_us
+        return self._bindings.nixlAgent(name, agent_config)
+
+
+@contextlib.contextmanager
+def _paced_progress_thread(delay_us: int) -> Iterator[None]:
+    """While constructing one `nixl_agent`, give its progress thread a delay of `delay_us` between polls."""
+    api: Any = importlib.import_module("nixl_cu12._api")
+    with _AGENT_CONSTRUCTION:
+        bindings = api.nixlBind
+        api.nixlBind = _PacedBindings(bindings, delay_us)
+        try:
+            yield
+        finally:
+            api.nixlBind = bindings
+
+
 class NixlTransport(DataTransport):
     """NIXL backend over UCX (or `TransportConfig.nixl_backend`), DRAM regions only."""
 
@@ -102,7 +142,8 @@ class NixlTransport(DataTransport):
             os.environ["UCX_MODULES"] = "^ib"
         self._errors: tuple[type[Exception], ...] = (*nixl.errors, RuntimeError)  # RuntimeError: other C++ errors
         try:
-            self._agent = nixl.agent_class(config.name, nixl.config_class(backends=[config.nixl_backend]))
+            with _paced_progress_thread(config.nixl_progress_delay_us):
+                self._agent = nixl.agent_class(config.name, nixl.config_class(backends=[config.nixl_backend]))
         except nixl.errors as err:
             raise TransportError(
                 f"NIXL agent {config.name!r} failed to start with {config.nixl_backend}: {err}"
