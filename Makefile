@@ -49,5 +49,10 @@ pytest: $(STAMP_TEST)
 sim: $(STAMP_BASE)
 	$(VENV)/bin/kvstage sim --seeds 1000 --faults default --jobs 2
 
+# The bench acceptance runs (issue 4): staged vs per-slice vs raw bulk, llama3-8b P=4 -> D=2; several minutes each.
+bench: $(STAMP_TEST)
+	$(VENV)/bin/kvstage bench --backend mooncake --model llama3-8b --prefill-tp 4 --decode-tp 2 --tokens 4096 --page-size 16
+	$(VENV)/bin/kvstage bench --backend nixl --model llama3-8b --prefill-tp 4 --decode-tp 2 --tokens 4096 --page-size 16
+
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -1,0 +1,100 @@
+"""How `kvstage bench` shows itself: a progress display while running, a table, a JSON line and a bar chart.
+
+Owns presentation only: `run_with_progress` (rich progress on stderr, so stdout stays parseable), `print_table`,
+`json_line` (the `--json` object, one line, always the last line of stdout) and `plot` (matplotlib, imported
+only when `--plot` is given). Called by the CLI.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from kvstage.bench.config import BenchConfig
+from kvstage.bench.runner import BenchResult, run_bench, total_steps
+
+LABELS = {"staged": "staged (agents)", "slice": "direct per-slice", "raw": "raw bulk"}
+
+
+def run_with_progress(config: BenchConfig) -> BenchResult:
+    """`run_bench` with a live progress bar on stderr (silent when stderr is not a terminal)."""
+    with Progress(
+        TextColumn("[bold]kvstage bench[/]"),
+        BarColumn(),
+        TextColumn("{task.description}"),
+        TimeElapsedColumn(),
+        console=Console(stderr=True),
+        transient=True,
+    ) as progress:
+        task = progress.add_task("starting", total=total_steps(config))
+        first = True
+
+        def step(description: str) -> None:
+            nonlocal first
+            progress.update(task, description=description, advance=0 if first else 1)
+            first = False
+
+        result = run_bench(config, step)
+        progress.update(task, completed=total_steps(config))
+    return result
+
+
+def print_table(result: BenchResult, console: Console) -> None:
+    c = result.config
+    title = (
+        f"{c.backend}: {c.model}, prefill TP {c.prefill_tp} -> decode TP {c.decode_tp}, {c.tokens} tokens, "
+        f"page {c.page_size}, chunk {c.chunk_tokens}, {c.concurrency} concurrent, best of {c.repeats}"
+    )
+    table = Table(title=title)
+    for name in ("path", "GB/s (best)", "GB/s (median)", "ops/request", "MiB/request"):
+        table.add_column(name, justify="left" if name == "path" else "right")
+    for path in result.paths:
+        table.add_row(
+            LABELS[path.name],
+            f"{path.best_gbps:.3f}",
+            f"{path.median_gbps:.3f}",
+            f"{path.ops_per_request:,.0f}",
+            f"{c.moved_bytes / 2**20:,.1f}",
+        )
+    console.print(table)
+    s = result.summary()
+    console.print(
+        f"staged/raw = {s['staged_over_raw']:.2f}x   staged/per-slice = {s['staged_over_slice']:.1f}x   "
+        f"per-slice ops/staged ops = {s['slice_ops_over_staged']:,.0f}x   "
+        f"(per-slice descriptors: {s['slice_descriptors']:,} per request)"
+    )
+    for check in result.checks:
+        console.print(f"verified: {check}")
+
+
+def json_line(result: BenchResult) -> str:
+    return json.dumps(result.summary(), sort_keys=True)
+
+
+def plot(result: BenchResult, path: Path) -> None:
+    """Two bar charts: GB/s and transfer operations per request, both on log scales."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [LABELS[p.name] for p in result.paths]
+    colors = ["tab:green", "tab:red", "tab:gray"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for ax, values, label in (
+        (left, [p.best_gbps for p in result.paths], "GB/s (best round)"),
+        (right, [p.ops_per_request for p in result.paths], "transfer ops per request"),
+    ):
+        bars = ax.bar(names, values, color=colors)
+        ax.set_yscale("log")
+        ax.set_ylabel(label)
+        ax.bar_label(bars, labels=[f"{v:,.3g}" for v in values])
+    c = result.config
+    fig.suptitle(f"kvstage bench: {c.backend}, {c.model}, P{c.prefill_tp}->D{c.decode_tp}, {c.tokens} tokens")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,384 @@
+"""One TP rank of a `kvstage bench` run, in its own process: the engine side of a prefill or a decode rank.
+
+Owns, per rank: the KV pool (every page held by the "engine" for the whole run; each request slot uses a seeded
+random permutation of pages, so copies are scattered as in a real pool), the rank's runtime agent (the staged
+path), and what the two baselines need:
+
+- decode: `target`, a region laid out exactly like its KV pool, allocated from the agent's transport, which the
+  per-slice writes and the raw bulk writes land in (byte offsets from `PoolGeometry`, so a slice lands where it
+  would in a real pool);
+- prefill: a second transport of the same backend (the agent polls its own) with the KV pool registered as a
+  source; per request slot, the per-slice descriptors of every head transfer it owns (`plan_direct_slices`,
+  one contiguous write per row where a slice is strided, because no backend writes strided), and one raw bulk
+  write per (this rank, decode rank) pair.
+
+The parent (`kvstage.bench.runner`) drives it with commands over a private pipe; each reply carries the
+`time.monotonic()` stamps (CLOCK_MONOTONIC, shared by every process of the host) the parent turns into
+non-overlapping wall time. Prefill fills its pool with seeded bytes per global head; digests taken on both sides
+prove that every path moved the same bytes.
+
+Invariants: every wait has a deadline; a failed room or transfer is an error sent back with its reason, never a
+number; a worker that hits an error reports it and exits non-zero. Called by `kvstage.bench.runner` only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+
+from kvstage.bench.config import BenchConfig
+from kvstage.dataplane import KVPool, PoolGeometry, SliceCopy, plan_direct_slices
+from kvstage.layout import HeadTransfer, heads_of_rank, plan_head_transfers, plan_staging
+from kvstage.protocol import Timing
+from kvstage.runtime import AgentConfig, DecodeAgent, PrefillAgent, peer_id
+from kvstage.transport.data import (
+    DataTransport,
+    LocalRegion,
+    RemoteRegion,
+    Slice,
+    TransportConfig,
+    create_transport,
+    decode_descriptor,
+    encode_descriptor,
+)
+from kvstage.transport.data.loopback import wait_for
+
+log = logging.getLogger(__name__)
+
+PREFILL, DECODE = "P", "D"
+#: Liveness for the bench's agents: generous, because the baselines saturate both cores for seconds.
+BENCH_TIMING = Timing(heartbeat_s=0.5, dead_after_s=60.0, retry_initial_s=0.05, retry_max_s=1.0)
+#: How often decode polls its agent for outcomes: the resolution of the staged path's end time.
+DECODE_POLL_S = 0.001
+#: Prefill's outcomes only gate the next round, so it polls less often and leaves the CPU to the transfer.
+PREFILL_POLL_S = 0.01
+
+
+class WorkerFailed(Exception):
+    """A command could not be carried out (failed room, failed transfer, timeout); the message says why."""
+
+
+def byte_view(pool: KVPool) -> torch.Tensor:
+    """`[2, L, slots, heads, head_bytes]` uint8 view of a pool."""
+    g = pool.geometry
+    return pool.flat.view(2, pool.layout.num_layers, g.num_slots, pool.num_heads, pool.layout.head_bytes)
+
+
+def slot_pages(config: BenchConfig, role: str, rank: int) -> list[list[int]]:
+    """Pages of each request slot: a seeded permutation of the whole pool, cut into slots."""
+    gen = torch.Generator().manual_seed(config.seed * 31 + (0 if role == PREFILL else 1) * 1009 + rank)
+    perm = torch.randperm(config.pool_pages, generator=gen).tolist()
+    n = config.pages_per_request
+    return [perm[slot * n : (slot + 1) * n] for slot in range(config.concurrency)]
+
+
+def head_kv(config: BenchConfig, slot: int, head: int) -> torch.Tensor:
+    """Seeded bytes of one global head of one request slot: uint8 `[2, L, tokens, head_bytes]`."""
+    layout = config.layout
+    gen = torch.Generator().manual_seed(config.seed * 7919 + slot * 131 + head)
+    shape = (2, layout.num_layers, config.tokens, layout.head_bytes)
+    return torch.randint(0, 256, shape, dtype=torch.uint8, generator=gen)
+
+
+def sha(tensor: torch.Tensor) -> str:
+    return hashlib.sha256(tensor.contiguous().numpy().tobytes()).hexdigest()
+
+
+def head_digests(config: BenchConfig, pool: KVPool, heads: range, pages: list[int]) -> dict[int, str]:
+    """SHA-256 of tokens [0, tokens) of each held global head, as stored in `pool`."""
+    landed = byte_view(pool).index_select(2, pool.slot_indices(pages, 0, config.tokens))
+    return {head: sha(landed[:, :, :, i]) for i, head in enumerate(heads)}
+
+
+def wait_until(at: float) -> float:
+    """Sleep until monotonic time `at`; returns the time it woke."""
+    delay = at - time.monotonic()
+    if delay > 0:
+        time.sleep(delay)
+    return time.monotonic()
+
+
+@dataclass(frozen=True, slots=True)
+class Timed:
+    """One measured run on one rank: first submission, last completion, and transfer operations issued."""
+
+    start: float
+    end: float
+    ops: int
+
+
+class _Rank:
+    """Shared parts of both roles: config, pool with its slot pages, agent, baseline transport."""
+
+    role: str
+
+    def __init__(self, config: BenchConfig, rank: int, bootstrap: str) -> None:
+        self.config = config
+        self.rank = rank
+        self.tp = config.prefill_tp if self.role == PREFILL else config.decode_tp
+        self.heads = heads_of_rank(config.layout.num_kv_heads, self.tp, rank)
+        self.pool = KVPool.for_rank(config.layout, self.tp, rank, config.pool_pages)
+        self.pool.allocator.allocate(config.pool_pages, owner="engine")
+        self.pages = slot_pages(config, self.role, rank)
+        self.bootstrap = bootstrap
+
+    agent: DecodeAgent | PrefillAgent
+
+    def agent_config(self) -> AgentConfig:
+        """This rank's agent configuration, before the role's memory sizes (ring or staging) are set."""
+        return AgentConfig(
+            instance=self.role,
+            rank=self.rank,
+            tp_size=self.tp,
+            layout=self.config.layout,
+            bootstrap=self.bootstrap,
+            transport=TransportConfig(backend=self.config.backend),
+            timing=BENCH_TIMING,
+            chunk_tokens=self.config.chunk_tokens,
+        )
+
+    def close(self) -> None:
+        self.agent.close()
+
+    def wait_rooms(self, rooms: list[int], poll_s: float) -> float:
+        """Poll the agent every `poll_s` until every room ended; returns when the last one was seen to end.
+
+        Failed rooms raise."""
+        pending = set(rooms)
+        last = time.monotonic()
+        deadline = last + self.config.timeout_s
+        while pending:
+            for outcome in self.agent.poll():
+                if outcome.room not in pending:
+                    continue
+                if not outcome.ok:
+                    raise WorkerFailed(f"{self.agent.peer_id}: room {outcome.room} failed: {outcome.reason}")
+                pending.discard(outcome.room)
+                last = time.monotonic()
+            if pending:
+                if time.monotonic() > deadline:
+                    raise WorkerFailed(f"{self.agent.peer_id}: rooms {sorted(pending)} still open after timeout")
+                time.sleep(poll_s)
+        return last
+
+
+class DecodeRank(_Rank):
+    """A decode rank: expects rooms through its agent; owns the baseline target region.
+
+    The target is allocated from the agent's own transport: a reader never polls its transport (writes are
+    one-sided), so sharing it is safe, and each decode rank runs one transport, as in production.
+    """
+
+    role = DECODE
+
+    def __init__(self, config: BenchConfig, rank: int, bootstrap: str) -> None:
+        super().__init__(config, rank, bootstrap)
+        self.decode_agent = DecodeAgent(replace(self.agent_config(), ring_bytes=config.ring_bytes(rank)), self.pool)
+        self.decode_agent.start()
+        self.agent = self.decode_agent
+        self.target: LocalRegion = self.agent.transport.allocate(self.pool.geometry.nbytes)
+
+    def info(self) -> dict[str, Any]:
+        return {"pages": self.pages, "target": encode_descriptor(self.agent.transport.export(self.target))}
+
+    def wait(self, rooms: list[int]) -> float:
+        return self.wait_rooms(rooms, DECODE_POLL_S)
+
+    def expect(self, rooms: list[tuple[int, int]]) -> None:
+        peers = tuple(peer_id(PREFILL, r) for r in range(self.config.prefill_tp))
+        for room, slot in rooms:
+            self.decode_agent.expect_room(
+                room, peers, self.config.tokens, 0, tuple(self.pages[slot]), self.config.timeout_s
+            )
+
+    def verify(self) -> dict[str, Any]:
+        """Digests of what the staged path landed, and whether the per-slice path landed the same bytes."""
+        target = self.target.tensor.view(byte_view(self.pool).shape)
+        same = True
+        for pages in self.pages:
+            slots = self.pool.slot_indices(pages, 0, self.config.tokens)
+            same = same and torch.equal(byte_view(self.pool).index_select(2, slots), target.index_select(2, slots))
+        return {
+            "staged_equals_slice": same,
+            "heads": [head_digests(self.config, self.pool, self.heads, pages) for pages in self.pages],
+        }
+
+    def digest(self, ranges: list[tuple[int, int]]) -> list[str]:
+        return [sha(self.target.tensor[offset : offset + n]) for offset, n in ranges]
+
+
+class PrefillRank(_Rank):
+    """A prefill rank: fills its pool with seeded KV, attaches rooms to its agent, and runs both baselines."""
+
+    role = PREFILL
+
+    def __init__(self, config: BenchConfig, rank: int, bootstrap: str, decode_info: list[dict[str, Any]]) -> None:
+        super().__init__(config, rank, bootstrap)
+        self.baseline: DataTransport = create_transport(TransportConfig(backend=config.backend))
+        self.digests = [self._fill(slot) for slot in range(config.concurrency)]
+        self.source = self.baseline.register(self.pool.flat)
+        self.transfers = [
+            t
+            for t in plan_head_transfers(config.layout.num_kv_heads, config.prefill_tp, config.decode_tp)
+            if t.prefill_rank == rank
+        ]
+        self.remotes = {
+            t.decode_rank: self.baseline.import_remote(decode_descriptor(decode_info[t.decode_rank]["target"]))
+            for t in self.transfers
+        }
+        dst_pages = [info["pages"] for info in decode_info]
+        self.slices = [self._slices(slot, dst_pages) for slot in range(config.concurrency)]
+        self.raw = [self._raw(slot) for slot in range(config.concurrency)]
+        self.prefill_agent = PrefillAgent(
+            replace(self.agent_config(), staging_bytes=config.staging_bytes(rank)), self.pool
+        )
+        self.prefill_agent.start()
+        self.agent = self.prefill_agent
+
+    def close(self) -> None:
+        super().close()
+        self.baseline.close()
+
+    def _fill(self, slot: int) -> dict[int, str]:
+        view = byte_view(self.pool)
+        slots = self.pool.slot_indices(self.pages[slot], 0, self.config.tokens)
+        for i, head in enumerate(self.heads):
+            view[:, :, :, i].index_copy_(2, slots, head_kv(self.config, slot, head))
+        return head_digests(self.config, self.pool, self.heads, self.pages[slot])
+
+    def _slices(self, slot: int, dst_pages: list[list[list[int]]]) -> list[tuple[RemoteRegion, list[Slice], int]]:
+        """(remote, contiguous writes, slice descriptors) of every head transfer of this rank, for `slot`."""
+        out = []
+        for t in self.transfers:
+            dst = PoolGeometry(self.config.layout, len(self._decode_heads(t)), self.config.pool_pages)
+            copies = plan_direct_slices(
+                self.pool.geometry, dst, t, self.pages[slot], dst_pages[t.decode_rank][slot], 0, self.config.tokens
+            )
+            out.append((self.remotes[t.decode_rank], [w for c in copies for w in _contiguous_writes(c)], len(copies)))
+        return out
+
+    def _decode_heads(self, t: HeadTransfer) -> range:
+        return heads_of_rank(self.config.layout.num_kv_heads, self.config.decode_tp, t.decode_rank)
+
+    def _raw(self, slot: int) -> list[tuple[RemoteRegion, Slice]]:
+        """One bulk write per decode rank this rank feeds: its block's bytes, to where its block would go."""
+        out = []
+        for t in self.transfers:
+            plan = plan_staging(self.config.layout, self.config.prefill_tp, self.config.decode_tp, t.decode_rank,
+                                self.config.tokens)  # fmt: skip
+            block = plan.block_of(self.rank)
+            src = min(slot * block.nbytes, self.pool.geometry.nbytes - block.nbytes)
+            out.append((self.remotes[t.decode_rank], (src, slot * plan.total_bytes + block.offset, block.nbytes)))
+        return out
+
+    # ---- commands ------------------------------------------------------------------------------------------
+
+    def staged(self, rooms: list[tuple[int, int]], start_at: float) -> Timed:
+        """Announce rooms (the forward pass starts), then at `start_at` say their KV is ready; wait for outcomes."""
+        for room, _ in rooms:
+            self.prefill_agent.attach_room(room, self.config.tokens, self.config.decode_tp, self.config.timeout_s)
+            self.prefill_agent.compute_scheduled(room, self.config.tokens)
+        ops = self.agent.transport.ops_issued
+        start = wait_until(start_at)
+        for room, slot in rooms:
+            self.prefill_agent.kv_ready(room, self.config.tokens, tuple(self.pages[slot]))
+        end = self.wait_rooms([room for room, _ in rooms], PREFILL_POLL_S)
+        self.agent.wait_quiescent(self.config.timeout_s)
+        return Timed(start, end, self.agent.transport.ops_issued - ops)
+
+    def per_slice(self, slots: list[int], start_at: float) -> Timed:
+        batch = self.config.batch_slices
+        jobs = [(remote, writes[i : i + batch]) for s in slots for remote, writes, _ in self.slices[s]
+                for i in range(0, len(writes), batch)]  # fmt: skip
+        return self._timed(start_at, lambda: [self.baseline.write_batch(self.source, r, w) for r, w in jobs])
+
+    def raw_bulk(self, slots: list[int], start_at: float) -> Timed:
+        jobs = [job for s in slots for job in self.raw[s]]
+        return self._timed(start_at, lambda: [self.baseline.write(self.source, w[0], r, w[1], w[2]) for r, w in jobs])
+
+    def _timed(self, start_at: float, submit: Callable[[], list[int]]) -> Timed:
+        ops = self.baseline.ops_issued
+        start = wait_until(start_at)
+        done = wait_for(self.baseline, submit(), self.config.timeout_s)
+        end = time.monotonic()
+        failed = [c for c in done.values() if not c.ok]
+        if failed:
+            raise WorkerFailed(f"prefill rank {self.rank}: write failed: {failed[0].reason}")
+        return Timed(start, end, self.baseline.ops_issued - ops)
+
+    def info(self) -> dict[str, Any]:
+        return {
+            "digests": self.digests,
+            "slice_descriptors": [sum(n for _, _, n in per_slot) for per_slot in self.slices],
+            "raw": [
+                [(t.decode_rank, w[1], w[2], sha(self.pool.flat[w[0] : w[0] + w[2]])) for t, (_, w) in
+                 zip(self.transfers, self.raw[slot], strict=True)]
+                for slot in range(self.config.concurrency)
+            ],
+        }  # fmt: skip
+
+
+def _contiguous_writes(copy: SliceCopy) -> list[Slice]:
+    """The contiguous writes of one slice: itself if contiguous, else one per row."""
+    if copy.contiguous:
+        return [(copy.src_offset, copy.dst_offset, copy.nbytes)]
+    return [
+        (copy.src_offset + r * copy.src_stride, copy.dst_offset + r * copy.dst_stride, copy.row_bytes)
+        for r in range(copy.rows)
+    ]
+
+
+def worker_main(
+    conn: Connection, role: str, rank: int, config: BenchConfig, bootstrap: str, decode_info: list[dict[str, Any]]
+) -> None:
+    """Process body: build the rank, report `("ready", info)`, then answer commands until "stop"."""
+    logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s bench-{role}{rank} %(name)s %(message)s")
+    torch.set_num_threads(1)
+    try:
+        node: DecodeRank | PrefillRank = (
+            DecodeRank(config, rank, bootstrap) if role == DECODE else PrefillRank(config, rank, bootstrap, decode_info)
+        )
+        conn.send(("ready", node.info()))
+        _serve(conn, node)
+    except BaseException as exc:  # reported to the parent, then re-raised so the process exits non-zero
+        conn.send(("error", f"{role}{rank}: {type(exc).__name__}: {exc}"))
+        raise
+
+
+def _serve(conn: Connection, node: DecodeRank | PrefillRank) -> None:
+    try:
+        while True:
+            command, *args = conn.recv()
+            if command == "stop":
+                conn.send(("ok", None))
+                return
+            conn.send(("ok", _dispatch(node, command, args)))
+    finally:
+        node.close()
+
+
+def _dispatch(node: DecodeRank | PrefillRank, command: str, args: list[Any]) -> Any:
+    if isinstance(node, DecodeRank):
+        if command == "expect":
+            return node.expect(args[0])
+        if command == "wait":
+            return node.wait(args[0])
+        if command == "verify":
+            return node.verify()
+        if command == "digest":
+            return node.digest(args[0])
+    else:
+        if command == "staged":
+            return node.staged(*args)
+        if command == "slice":
+            return node.per_slice(*args)
+        if command == "raw":
+            return node.raw_bulk(*args)
+    raise WorkerFailed(f"{node.role}{node.rank}: unknown bench command {command!r}")

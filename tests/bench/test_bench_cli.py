@@ -1,0 +1,63 @@
+"""Smoke test of `kvstage bench`: the real command, in a subprocess, with real rank processes on the local backend.
+
+Checks what the command promises, not how fast it is (performance is measured by the bench itself, never by
+timed assertions): the last stdout line is the JSON object with every required key; every path moved bytes at a
+positive rate; the transfer operations per request are exactly what the layout arithmetic says for each path;
+the bytes were verified on both sides; the plot is written. Sizes are tiny so this stays well under 30 s.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from kvstage.layout import plan_head_transfers
+
+CLI = [sys.executable, "-c", "from kvstage.cli import main; main()", "bench"]
+REQUIRED = ("staged_gbps", "slice_gbps", "raw_gbps", "staged_over_raw", "staged_over_slice", "ops_staged", "ops_slice")
+
+# tiny = 4 layers, 4 KV heads, head_dim 64; prefill TP 2 -> decode TP 1; 256 tokens in pages of 16, chunks of 64.
+LAYERS, HEADS, TOKENS, PAGE, CHUNK, PREFILL_TP, DECODE_TP = 4, 4, 256, 16, 64, 2, 1
+
+
+def _run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout, check=False)
+
+
+def test_bench_json_line_reports_three_verified_paths_with_the_expected_operation_counts(tmp_path: Path) -> None:
+    plot = tmp_path / "bench.png"
+    proc = _run(
+        "--backend", "local", "--model", "tiny", "--prefill-tp", str(PREFILL_TP), "--decode-tp", str(DECODE_TP),
+        "--tokens", str(TOKENS), "--page-size", str(PAGE), "--chunk-tokens", str(CHUNK), "--concurrency", "2",
+        "--repeats", "1", "--json", "--plot", str(plot),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+
+    for key in REQUIRED:
+        assert key in result, f"missing {key} in {sorted(result)}"
+    for key in ("staged_gbps", "slice_gbps", "raw_gbps"):
+        assert 0 < result[key] < 1000, (key, result[key])
+    assert result["staged_over_raw"] == result["staged_gbps"] / result["raw_gbps"]
+    assert result["staged_over_slice"] == result["staged_gbps"] / result["slice_gbps"]
+
+    writers = len(plan_head_transfers(HEADS, PREFILL_TP, DECODE_TP))  # (prefill, decode) pairs with a block
+    pages = TOKENS // PAGE
+    assert result["ops_staged"] == (TOKENS // CHUNK) * writers  # one bulk write per writer per chunk
+    assert result["ops_raw"] == writers  # one bulk write per writer per request
+    assert result["slice_descriptors"] == LAYERS * 2 * pages * writers  # layer x K/V x page x head run
+    # A prefill rank's 2 heads fill half of each decode slot row (4 heads), so every slice is strided: one write
+    # per token row.
+    assert result["ops_slice"] == result["slice_descriptors"] * PAGE
+    assert result["bytes_per_request"] == TOKENS * 2 * LAYERS * HEADS * 64 * 2
+    assert len(result["verified"]) == 3, result["verified"]
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "staged (agents)" in proc.stdout and "staged/raw" in proc.stdout
+
+
+def test_bench_rejects_an_unknown_model_naming_the_flag() -> None:
+    proc = _run("--model", "gpt-17", timeout=60)
+    assert proc.returncode == 2
+    assert "--model 'gpt-17'" in proc.stderr
