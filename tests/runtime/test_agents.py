@@ -254,3 +254,29 @@ def test_restarted_bootstrap_service_is_repopulated_by_the_running_agents():
             second.close()
     finally:
         agent.close()
+
+
+def test_26501_scatter_and_abort_fence_never_touch_a_cuda_only_api(make_cluster, monkeypatch):
+    # Upstream #26501: the scatter fence used events that exist only on CUDA and broke non-CUDA devices.
+    # Every CUDA entry point the copy or fence path could reach now raises: a CPU pool must never reach one.
+    def cuda_only(*args, **kwargs):
+        raise AssertionError("a CPU pool must never reach a CUDA-only API")
+
+    for name in ("Event", "Stream", "current_stream", "synchronize", "stream"):
+        monkeypatch.setattr(torch.cuda, name, cuda_only)
+    cluster = make_cluster(2, 1)
+    sides = _run_room(cluster, 1, 37)  # scatters run
+    decode = cluster.decode[0]
+    pages = decode.pool.allocator.allocate(4, 2)
+    decode.expect_room(2, cluster.prefill_peers, 16, 0, tuple(pages), timeout_s=20)
+    for agent in cluster.prefill:
+        agent.attach_room(2, 16, cluster.decode_tp, timeout_s=20)  # never computed: only an abort can end it
+    outcome = _wait(decode, 1)[1]
+    assert outcome.ok, outcome
+    decode.abort(2)  # fences the room's scatters, then releases
+    aborted = _wait(decode, 1)[2]
+    assert (aborted.ok, aborted.reason) == (False, "aborted by decode")
+    assert tuple(aborted.pages) == tuple(pages), "a failed room hands its pages back to the engine"
+    _assert_landed(cluster, sides, 0)
+    assert decode.wait_quiescent(5)
+    assert decode.snapshot().ring_live_bytes == 0

@@ -185,7 +185,8 @@ def test_many_peers_each_reach_a_hub_and_get_replies(harnesses):
         assert sorted(m.seq for m in peer.receive(10)) == [i * 100 + s for s in range(10)]
 
 
-def test_sends_from_many_threads_are_never_interleaved(harnesses):
+def test_29984_sends_from_many_threads_never_corrupt_frames_on_a_shared_socket(harnesses):
+    # Upstream #29984: concurrent sends on one shared socket corrupted frames; one I/O thread owns each socket.
     a, b = harnesses(), harnesses()
 
     def burst(tag: int) -> None:
