@@ -27,7 +27,7 @@ def main() -> None:
 
 @app.command()
 def demo() -> None:
-    """Run the demo: for now an in-process CPU staging round trip, verified bit for bit, with a report."""
+    """Run the demo: an end-to-end handoff through the real agents (ZeroMQ, shared memory), verified bit for bit."""
     from kvstage.demo import print_report, run_demo
 
     report = run_demo()
