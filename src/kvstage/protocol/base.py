@@ -19,6 +19,7 @@ randomness; `now` always comes from the caller. Called by decode.py and prefill.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -80,7 +81,7 @@ class BoundedRecord(OrderedDict[Any, Any]):
             self.popitem(last=False)
 
 
-class EndpointCore:
+class EndpointCore(ABC):
     """Side-independent machinery; see the module docstring. Not used directly."""
 
     ROLE: ClassVar[str] = "endpoint"
@@ -158,24 +159,24 @@ class EndpointCore:
         return self._retrier.rooms() | live_deadlines
 
     # ---- subclass hooks ---------------------------------------------------------------------------------------
+    @abstractmethod
     def _peer_lost(self, peer: Peer, room: int, reason: str) -> None:
         """subclass: `peer` (or the incarnation of it that `room` used) is gone; settle `room` with `reason`.
 
         Called for each room in `peer.rooms`; the subclass removes the room from `peer.rooms` once the room no
         longer needs that peer."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _on_deadline(self, when: float, room: int) -> None:
         """subclass: the alarm set for `room` at `when` fired."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _on_token(self, token: int, ok: bool, reason: str) -> None:
         """subclass: the action carrying `token` completed."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _fail_by_id(self, room: int, reason: str) -> None:
         """subclass: fail `room` if it is still active (used for SendFailed)."""
-        raise NotImplementedError
 
     def _watermark(self) -> WireWatermark | None:
         """subclass (decode): the watermark every outgoing envelope carries."""
@@ -346,9 +347,9 @@ class EndpointCore:
             self._next_heartbeat = now + self.timing.heartbeat_s if self._peers else None
 
     # ---- deadlines --------------------------------------------------------------------------------------------
+    @abstractmethod
     def _deadline_live(self, when: float, room: int) -> bool:
         """subclass: whether the alarm (when, room) still matters (stale ones are purged lazily)."""
-        raise NotImplementedError
 
     def _next_deadline(self) -> float | None:
         while (head := self._deadlines.peek()) is not None:

@@ -36,6 +36,7 @@ import logging
 import queue
 import threading
 import time
+from abc import ABC, abstractmethod
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -160,7 +161,7 @@ def export_pool(agent: BaseAgent) -> dict[str, bytes]:
         return {}
 
 
-class BaseAgent:
+class BaseAgent(ABC):
     """Shared machinery: queue, agent thread, control channel, resolver, bootstrap record, outcomes, metrics."""
 
     role: ClassVar[str]
@@ -306,14 +307,17 @@ class BaseAgent:
 
     # ---- subclass hooks ----------------------------------------------------------------------------------
 
+    @abstractmethod
     def _setup_memory(self) -> dict[str, bytes]:
-        raise NotImplementedError
+        """Register this rank's memory with the transport; return the descriptors to publish at the bootstrap."""
 
+    @abstractmethod
     def _make_endpoint(self) -> DecodeEndpoint | PrefillEndpoint:
-        raise NotImplementedError
+        """Build this rank's protocol endpoint."""
 
+    @abstractmethod
     def _execute(self, action: Any) -> None:
-        raise NotImplementedError
+        """Carry out one protocol action of this side (writes, scatters, fences); on the agent thread."""
 
     def _peer_changed(self, old: PeerRecord | None, record: PeerRecord) -> None:
         """A peer registered (or re-registered with a new session)."""
