@@ -1,4 +1,4 @@
-"""The `kvstage` command line: `demo`, `sim`, `bench` and `serve`.
+"""The `kvstage` command line: `demo`, `sim` and `bench`.
 
 Owns argument parsing and nothing else; each command imports its implementation lazily so that
 `kvstage --help` stays fast and a missing optional transport never breaks unrelated commands.
