@@ -41,7 +41,7 @@ from kvstage.protocol import (
     WriteDirect,
     WriteRegion,
 )
-from kvstage.protocol.messages import PROTOCOL_VERSION, Envelope
+from kvstage.protocol.messages import PROTOCOL_VERSION, Envelope, Metadata
 
 Endpoint = DecodeEndpoint | PrefillEndpoint
 TIMING = Timing(heartbeat_s=0.5, dead_after_s=3.0, retry_initial_s=0.05, retry_max_s=0.4)
@@ -230,6 +230,25 @@ def full_room(pump: Pump, room: int, num_tokens: int, *, prefix: int = 0, instan
 
 def all_quiescent(pump: Pump) -> bool:
     return all(ep.is_quiescent() for ep in pump.endpoints.values())
+
+
+def metadata(room: int, **changes: object) -> Metadata:
+    """Metadata as d0 (decode TP 1) of the default pump sends it for a 16-token staged room; `changes` override."""
+    fields: dict[str, object] = {
+        "room": room,
+        "decode_rank": 0,
+        "decode_tp": 1,
+        "prefill_tp": 2,
+        "num_tokens": 16,
+        "prefix_tokens": 0,
+        "chunk_tokens": 8,
+        "page_size": 4,
+        "path": "staged",
+        "epoch": 1,
+        "ttl_s": 10.0,
+    }
+    fields.update(changes)
+    return Metadata(**fields)  # type: ignore[arg-type]
 
 
 def inject(pump: Pump, dst: str, sender: str, body: object, *, session: int = 1, epoch: int = 0) -> list[Action]:

@@ -17,6 +17,7 @@ from protocol_harness import (
     inject,
     layout,
     make_pump,
+    metadata,
     sends_from,
     sent,
 )
@@ -180,20 +181,7 @@ def test_staging_request_for_unknown_room_gets_an_explicit_refusal() -> None:
 def test_writer_retries_a_refused_unknown_room_until_its_deadline() -> None:
     pump = make_pump()
     attach(pump, 5, 16, deadline=2.0)
-    metadata = Metadata(
-        room=5,
-        decode_rank=0,
-        decode_tp=1,
-        prefill_tp=2,
-        num_tokens=16,
-        prefix_tokens=0,
-        chunk_tokens=8,
-        page_size=4,
-        path="staged",
-        epoch=1,
-        ttl_s=10.0,
-    )
-    inject(pump, "p0", "d0", metadata)  # d0 never registered room 5
+    inject(pump, "p0", "d0", metadata(5))  # d0 never registered room 5
     compute(pump, 5, 16)
     pump.advance(5.0)
     assert decode(pump).stats.refusals_sent >= 4
@@ -622,20 +610,7 @@ def test_metadata_for_unattached_rooms_is_capped_per_peer() -> None:
     pump = make_pump(limits=Limits(max_rooms_per_peer=8))
     answers = []
     for room in range(20):
-        metadata = Metadata(
-            room=room,
-            decode_rank=0,
-            decode_tp=1,
-            prefill_tp=2,
-            num_tokens=16,
-            prefix_tokens=0,
-            chunk_tokens=8,
-            page_size=4,
-            path="staged",
-            epoch=1,
-            ttl_s=10.0,
-        )
-        answers += inject(pump, "p0", "d0", metadata)
+        answers += inject(pump, "p0", "d0", metadata(room))
     assert prefill(pump).pending_metadata() == 8
     assert len(sent(answers, MetadataAck)) == 8
     assert {a.reason for a in sent(answers, Abort)} == {reasons.OVERLOADED}
@@ -689,20 +664,7 @@ def test_abort_from_a_known_decode_peer_before_attach_fails_the_room_at_attach()
 def test_metadata_that_disagrees_with_the_layout_is_rejected_with_an_abort() -> None:
     pump = make_pump()
     attach(pump, 1, 16)
-    bad = Metadata(
-        room=1,
-        decode_rank=0,
-        decode_tp=1,
-        prefill_tp=2,
-        num_tokens=16,
-        prefix_tokens=0,
-        chunk_tokens=8,
-        page_size=4,
-        path="direct",
-        epoch=1,
-        ttl_s=10.0,
-        pages=(1, 2),  # 2 pages for 16 tokens of page size 4
-    )
+    bad = metadata(1, path="direct", pages=(1, 2))  # 2 pages for 16 tokens of page size 4
     actions = inject(pump, "p0", "d0", bad)
     assert sent(actions, Abort)[0].reason == reasons.BAD_METADATA
     assert not sent(actions, StagingRequest)
