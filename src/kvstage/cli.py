@@ -84,6 +84,12 @@ def bench(
     chunk_tokens: int = typer.Option(512, "--chunk-tokens", min=1, help="Staging chunk grid (a page multiple)."),
     concurrency: int = typer.Option(1, "--concurrency", min=1, help="Requests in flight at once."),
     repeats: int = typer.Option(3, "--repeats", min=1, help="Timed rounds per path (best is reported)."),
+    device: str = typer.Option(
+        "cpu", "--device", help="Where the KV pools live: cpu, or cuda (staging stays in host memory)."
+    ),
+    ring_chunks: int = typer.Option(
+        4, "--ring-chunks", min=1, help="Chunk regions per decode ring (and chunks per prefill staging slab)."
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print the results as JSON on the last stdout line."),
     plot_file: str | None = typer.Option(None, "--plot", help="Write a bar chart (PNG) to this file."),
 ) -> None:
@@ -98,7 +104,17 @@ def bench(
 
     try:
         config = BenchConfig(
-            backend, model, prefill_tp, decode_tp, page_size, tokens, chunk_tokens, concurrency, repeats
+            backend,
+            model,
+            prefill_tp,
+            decode_tp,
+            page_size,
+            tokens,
+            chunk_tokens,
+            concurrency,
+            repeats,
+            device=device,
+            ring_chunks=ring_chunks,
         )
     except ConfigError as exc:
         raise typer.BadParameter(str(exc)) from exc

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from kvstage.dataplane import KVPool, gather_block, scatter_region, transfer_direct
+from kvstage.dataplane import KVPool, gather, gather_block, scatter_region, transfer_direct
+from kvstage.errors import InvalidRequest
 from kvstage.layout import DTYPE_BYTES, ChunkGrid, KVLayout, heads_of_rank, plan_head_transfers, plan_staging
 
 SIZES = (1, 2, 4, 8)
@@ -105,9 +106,10 @@ def _world(h: int, p: int, d: int, dtype: str, scenario: Scenario, seed: int, de
     return World(layout, scenario, prefill, prefill_pages, decode, decode_pages, expected)
 
 
-def _staged_handoff(world: World, h: int, p: int, d: int) -> int:
+def _staged_handoff(world: World, h: int, p: int, d: int, staging_device: str | None = None) -> int:
     """Every chunk, every decode rank: each writer gathers into the chunk's region, then decode scatters it.
 
+    The staging region is on the pools' device unless `staging_device` names another (host staging of GPU pools).
     Returns the writer blocks moved (the bulk writes a transport would issue).
     """
     blocks = 0
@@ -117,7 +119,8 @@ def _staged_handoff(world: World, h: int, p: int, d: int) -> int:
         for rank in range(d):
             plan = plan_staging(world.layout, p, d, rank, chunk.num_tokens)
             region_offset = (5, 64, 2)[chunk.index % 3]  # copies through 1-, 8- (or head-size-) and 2-byte words
-            staging = torch.zeros(region_offset + plan.total_bytes, dtype=torch.uint8, device=world.decode[0].device)
+            device = staging_device or world.decode[0].device
+            staging = torch.zeros(region_offset + plan.total_bytes, dtype=torch.uint8, device=device)
             for block in plan.blocks:
                 writer = block.prefill_rank
                 written = gather_block(
@@ -186,6 +189,27 @@ def test_staged_and_direct_handoffs_are_bit_exact_on_cuda(h: int, p: int, d: int
                 for rank, pool in enumerate(world.decode):
                     assert pool.flat.is_cuda
                     assert torch.equal(pool.flat, world.expected[rank]), (dtype, scenario, rank, handoff)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize(("h", "p", "d"), [(8, 4, 2), (2, 1, 4), (8, 8, 1)])
+def test_gpu_pools_staged_through_host_memory_are_bit_exact(h: int, p: int, d: int) -> None:
+    for dtype in DTYPES:
+        for scenario in SCENARIOS:
+            world = _world(h, p, d, dtype, scenario, seed=3 * h + p + d, device="cuda")
+            _staged_handoff(world, h, p, d, staging_device="cpu")
+            for rank, pool in enumerate(world.decode):
+                assert torch.equal(pool.flat, world.expected[rank]), (dtype, scenario, rank)
+
+
+def test_staging_on_another_accelerator_than_the_pool_is_refused() -> None:
+    layout = KVLayout(1, 2, 8, "float32", 4)
+    pool = KVPool(layout, 2, 3)
+    pages = pool.allocator.allocate(1)
+    staging = torch.zeros(4096, dtype=torch.uint8, device="meta")
+    with pytest.raises(InvalidRequest, match="staging is on meta"):
+        gather(pool, pages, 0, 4, 0, 2, staging, 0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

@@ -25,8 +25,11 @@ def _byte_view(pool: KVPool) -> torch.Tensor:
 
 
 class Cluster:
-    def __init__(self, prefill_tp: int, decode_tp: int, layout: KVLayout = LAYOUT, ring_bytes: int = 16384) -> None:
+    def __init__(
+        self, prefill_tp: int, decode_tp: int, layout: KVLayout = LAYOUT, ring_bytes: int = 16384, writes_per_peer=2
+    ) -> None:
         self.bootstrap = BootstrapServer().start()
+        self.writes_per_peer = writes_per_peer
         self.prefill_tp, self.decode_tp = prefill_tp, decode_tp
         self.prefill = [self._agent(PrefillAgent, "P", prefill_tp, r, layout, ring_bytes) for r in range(prefill_tp)]
         self.decode = [self._agent(DecodeAgent, "D", decode_tp, r, LAYOUT, ring_bytes) for r in range(decode_tp)]
@@ -43,6 +46,7 @@ class Cluster:
             chunk_tokens=CHUNK,
             ring_bytes=ring_bytes,
             staging_bytes=ring_bytes,
+            writes_per_peer=self.writes_per_peer,
         )
         return cls(config, pool).start()
 
@@ -130,6 +134,25 @@ def test_rooms_land_bit_exact_and_leave_the_ring_empty(make_cluster, prefill_tp,
         assert agent.wait_quiescent(5)
         assert agent.metrics.value("kvstage_transfer_bytes_total") > 0
         assert agent.metrics.value("kvstage_transfer_throughput_bytes_per_second") > 0
+
+
+def test_a_writer_keeps_at_most_its_window_of_writes_in_flight_per_decode_peer(make_cluster):
+    cluster = make_cluster(2, 1, ring_bytes=65536, writes_per_peer=1)
+    seen: list[int] = []
+    for agent in cluster.prefill:
+        transport, submit = agent.transport, agent.transport.write_batch
+
+        def counting(src, dst, slices, transport=transport, submit=submit):
+            seen.append(transport.in_flight)  # writes already in flight when this one goes out
+            return submit(src, dst, slices)
+
+        transport.write_batch = counting
+    sides = {room: _run_room(cluster, room, 64) for room in (1, 2)}  # 8 chunks each, all granted at once
+    for agent in cluster.decode + cluster.prefill:
+        assert all(o.ok for o in _wait(agent, 2).values())
+    for room in sides:
+        _assert_landed(cluster, sides[room], 0)
+    assert len(seen) == 2 * 2 * 8 and max(seen) == 0
 
 
 def test_aborted_room_fails_on_both_sides_and_decode_gets_its_pages_back(make_cluster):

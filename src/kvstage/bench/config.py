@@ -37,8 +37,9 @@ MODEL_PRESETS: dict[str, ModelShape] = {
 
 _SHAPE_RE = re.compile(r"L(?P<layers>\d+)xH(?P<heads>\d+)xD(?P<dim>\d+)(?::(?P<dtype>\w+))?")
 
-#: Chunk regions each decode ring holds, and chunk blocks each prefill staging slab holds.
-RING_CHUNKS = 4
+#: Where the ranks' KV pools live. With "cuda" the rings and staging stay in host memory (what the data transports
+#: move), so the staged path's gather/scatter cross between the GPU pool and host staging.
+DEVICES = ("cpu", "cuda")
 #: Slack per region for the ring's alignment padding.
 ALIGN_SLACK = 64
 
@@ -57,7 +58,8 @@ def parse_model(spec: str) -> ModelShape:
 
 @dataclass(frozen=True, slots=True)
 class BenchConfig:
-    """One bench run. `concurrency` requests move at once; each path runs `repeats` times, interleaved."""
+    """One bench run. `concurrency` requests move at once; each path runs `repeats` times, interleaved. KV pools
+    live on `device`."""
 
     backend: str
     model: str
@@ -68,6 +70,8 @@ class BenchConfig:
     chunk_tokens: int
     concurrency: int = 1
     repeats: int = 3
+    device: str = "cpu"
+    ring_chunks: int = 4
     batch_slices: int = 4096
     timeout_s: float = 300.0
     seed: int = 20261129
@@ -75,7 +79,7 @@ class BenchConfig:
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
             raise ConfigError(f"--backend {self.backend!r} is unknown; choose one of {', '.join(BACKENDS)}")
-        for name in ("prefill_tp", "decode_tp", "tokens", "concurrency", "repeats", "batch_slices"):
+        for name in ("prefill_tp", "decode_tp", "tokens", "concurrency", "repeats", "batch_slices", "ring_chunks"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
@@ -84,6 +88,8 @@ class BenchConfig:
                 f"--prefill-tp and --decode-tp are both {self.prefill_tp}: rooms with matched TP go direct, page to "
                 "page, so there is no staged path to measure; choose different TP sizes"
             )
+        if self.device not in DEVICES:
+            raise ConfigError(f"--device {self.device!r} is unknown; choose one of {', '.join(DEVICES)}")
         validate_staging_config(chunk_tokens=self.chunk_tokens, page_size=self.page_size)
         shape = self.shape  # validates --model
         self.layout  # noqa: B018 - validates the layout (dtype, sizes)
@@ -127,12 +133,12 @@ class BenchConfig:
         return sum(self.decode_bytes(rank) for rank in range(self.decode_tp))
 
     def ring_bytes(self, decode_rank: int) -> int:
-        """A decode rank's staging ring: `RING_CHUNKS` regions of one full chunk."""
+        """A decode rank's staging ring: `ring_chunks` regions of one full chunk."""
         chunk = plan_staging(self.layout, self.prefill_tp, self.decode_tp, decode_rank, self.chunk_tokens)
-        return RING_CHUNKS * (chunk.total_bytes + ALIGN_SLACK)
+        return self.ring_chunks * (chunk.total_bytes + ALIGN_SLACK)
 
     def staging_bytes(self, prefill_rank: int) -> int:
-        """A prefill rank's local staging slab: `RING_CHUNKS` chunks of every block it writes.
+        """A prefill rank's local staging slab: `ring_chunks` chunks of every block it writes.
 
         A replica that the head plan leaves idle (prefill TP above the KV heads) still gets a minimal slab."""
         per_chunk = sum(
@@ -140,4 +146,4 @@ class BenchConfig:
             for t in plan_head_transfers(self.shape.num_kv_heads, self.prefill_tp, self.decode_tp)
             if t.prefill_rank == prefill_rank
         )
-        return RING_CHUNKS * max(per_chunk, ALIGN_SLACK)
+        return self.ring_chunks * max(per_chunk, ALIGN_SLACK)

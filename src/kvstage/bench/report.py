@@ -67,6 +67,11 @@ def print_table(result: BenchResult, console: Console) -> None:
         f"per-slice ops/staged ops = {s['slice_ops_over_staged']:,.0f}x   "
         f"(per-slice descriptors: {s['slice_descriptors']:,} per request)"
     )
+    stages = result.staged_stages()
+    console.print(
+        f"staged, best round: {stages.pop('wall') * 1e3:.1f} ms wall; busiest rank per stage: "
+        + ", ".join(f"{stage} {seconds * 1e3:.1f} ms" for stage, seconds in stages.items())
+    )
     for check in result.checks:
         console.print(f"verified: {check}")
 

@@ -31,6 +31,8 @@ from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any
 
+import torch
+
 from kvstage.bench.config import BenchConfig
 from kvstage.bench.worker import DECODE, PREFILL, Timed, worker_main
 from kvstage.errors import KVStageError
@@ -54,6 +56,12 @@ class PathResult:
     seconds: tuple[float, ...]
     nbytes: int
     ops_per_request: float
+    #: per round, the busiest rank's seconds in each stage (staged path only)
+    stages: tuple[dict[str, float], ...] = ()
+
+    @property
+    def best_round(self) -> int:
+        return self.seconds.index(min(self.seconds))
 
     @property
     def best_gbps(self) -> float:
@@ -74,6 +82,11 @@ class BenchResult:
     raw: PathResult
     slice_descriptors_per_request: int
     checks: tuple[str, ...]
+
+    def staged_stages(self) -> dict[str, float]:
+        """Wall seconds of the best staged round and, for each stage, the busiest rank's seconds in it."""
+        best = self.staged.best_round
+        return {"wall": self.staged.seconds[best], **self.staged.stages[best]}
 
     @property
     def paths(self) -> tuple[PathResult, PathResult, PathResult]:
@@ -105,7 +118,10 @@ class BenchResult:
             "chunk_tokens": c.chunk_tokens,
             "concurrency": c.concurrency,
             "repeats": c.repeats,
+            "device": c.device,
+            "ring_chunks": c.ring_chunks,
             "verified": list(self.checks),
+            "staged_stages_s": self.staged_stages(),
         }
 
 
@@ -189,8 +205,8 @@ class _Cluster:
         c = self.config.concurrency
         return [(1 + round_index * c + slot, slot) for slot in range(c)]
 
-    def staged(self, round_index: int) -> tuple[float, int]:
-        """(wall seconds, transfer ops) of one staged round through the agents."""
+    def staged(self, round_index: int) -> tuple[float, int, dict[str, float]]:
+        """(wall seconds, transfer ops, busiest rank's seconds per stage) of one staged round through the agents."""
         rooms = self.rooms(round_index)
         for rank in self.decode:
             rank.send("expect", rooms)
@@ -202,19 +218,23 @@ class _Cluster:
         for rank in self.prefill:
             rank.send("staged", rooms, start_at)
         timed: list[Timed] = [rank.recv() for rank in self.prefill]
-        ends: list[float] = [rank.recv() for rank in self.decode]
-        return max(ends) - min(t.start for t in timed), sum(t.ops for t in timed)
+        ends: list[Timed] = [rank.recv() for rank in self.decode]
+        stages: dict[str, float] = {}
+        for t in timed + ends:
+            for stage, seconds in t.busy:
+                stages[stage] = max(stages.get(stage, 0.0), seconds)
+        return max(t.end for t in ends) - min(t.start for t in timed), sum(t.ops for t in timed), stages
 
-    def baseline(self, command: str) -> tuple[float, int]:
+    def baseline(self, command: str) -> tuple[float, int, dict[str, float]]:
         """(wall seconds, transfer ops) of one round of the per-slice ("slice") or raw bulk ("raw") path."""
         slots = list(range(self.config.concurrency))
         start_at = time.monotonic() + START_DELAY_S
         for rank in self.prefill:
             rank.send(command, slots, start_at)
         timed: list[Timed] = [rank.recv() for rank in self.prefill]
-        return max(t.end for t in timed) - min(t.start for t in timed), sum(t.ops for t in timed)
+        return max(t.end for t in timed) - min(t.start for t in timed), sum(t.ops for t in timed), {}
 
-    def run(self, path: str, round_index: int) -> tuple[float, int]:
+    def run(self, path: str, round_index: int) -> tuple[float, int, dict[str, float]]:
         return self.staged(round_index) if path == "staged" else self.baseline(path)
 
     # ---- verification --------------------------------------------------------------------------------------
@@ -273,6 +293,8 @@ def total_steps(config: BenchConfig) -> int:
 def run_bench(config: BenchConfig, step: Step | None = None) -> BenchResult:
     """Run the bench described by `config`; `step(description)` is called as each stage begins."""
     announce = step or (lambda _: None)
+    if config.device == "cuda" and not torch.cuda.is_available():
+        raise BenchError("--device cuda needs a CUDA GPU, and torch sees none on this machine")
     server = BootstrapServer().start()
     cluster = _Cluster(config, server.address)
     finished = False
@@ -285,12 +307,15 @@ def run_bench(config: BenchConfig, step: Step | None = None) -> BenchResult:
         announce("warm-up: staged")
         cluster.run("staged", 0)
         seconds: dict[str, list[float]] = {p: [] for p in PATHS}
+        stages: dict[str, list[dict[str, float]]] = {p: [] for p in PATHS}
         ops: dict[str, int] = {}
         for round_index in range(1, config.repeats + 1):
             for path in PATHS:
                 announce(f"round {round_index}/{config.repeats}: {path}")
-                wall, ops[path] = cluster.run(path, round_index)
+                wall, ops[path], busy = cluster.run(path, round_index)
                 seconds[path].append(wall)
+                if busy:
+                    stages[path].append(busy)
                 if round_index == 1 and path == "slice":
                     checks += cluster.verify_staged_and_slice()
         finished = True
@@ -298,7 +323,9 @@ def run_bench(config: BenchConfig, step: Step | None = None) -> BenchResult:
         cluster.stop(graceful=finished)
         server.close()
     nbytes = config.concurrency * config.moved_bytes
-    results = {p: PathResult(p, tuple(seconds[p]), nbytes, ops[p] / config.concurrency) for p in PATHS}
+    results = {
+        p: PathResult(p, tuple(seconds[p]), nbytes, ops[p] / config.concurrency, tuple(stages[p])) for p in PATHS
+    }
     return BenchResult(
         config, results["staged"], results["slice"], results["raw"], cluster.slice_descriptors(), tuple(checks)
     )

@@ -71,6 +71,11 @@ def byte_view(pool: KVPool) -> torch.Tensor:
     return pool.flat.view(2, pool.layout.num_layers, g.num_slots, pool.num_heads, pool.layout.head_bytes)
 
 
+def pool_device(config: BenchConfig, rank: int) -> str:
+    """The rank's pool device: "cpu", or one GPU per rank round robin over the GPUs this host has."""
+    return "cpu" if config.device == "cpu" else f"cuda:{rank % torch.cuda.device_count()}"
+
+
 def slot_pages(config: BenchConfig, role: str, rank: int) -> list[list[int]]:
     """Pages of each request slot: a seeded permutation of the whole pool, cut into slots."""
     gen = torch.Generator().manual_seed(config.seed * 31 + (0 if role == PREFILL else 1) * 1009 + rank)
@@ -88,13 +93,18 @@ def head_kv(config: BenchConfig, slot: int, head: int) -> torch.Tensor:
 
 
 def sha(tensor: torch.Tensor) -> str:
-    return hashlib.sha256(tensor.contiguous().numpy().tobytes()).hexdigest()
+    return hashlib.sha256(tensor.cpu().contiguous().numpy().tobytes()).hexdigest()
 
 
 def head_digests(config: BenchConfig, pool: KVPool, heads: range, pages: list[int]) -> dict[int, str]:
     """SHA-256 of tokens [0, tokens) of each held global head, as stored in `pool`."""
     landed = byte_view(pool).index_select(2, pool.slot_indices(pages, 0, config.tokens))
     return {head: sha(landed[:, :, :, i]) for i, head in enumerate(heads)}
+
+
+def since(before: dict[str, float], after: dict[str, float]) -> tuple[tuple[str, float], ...]:
+    """Per-stage seconds between two `stage_seconds` readings."""
+    return tuple((stage, after[stage] - before[stage]) for stage in after)
 
 
 def wait_until(at: float) -> float:
@@ -107,11 +117,14 @@ def wait_until(at: float) -> float:
 
 @dataclass(frozen=True, slots=True)
 class Timed:
-    """One measured run on one rank: first submission, last completion, and transfer operations issued."""
+    """One measured run on one rank: first submission, last completion, transfer operations issued, and (staged
+    path) the seconds this rank's agent spent in each stage: "gather" or "scatter" on its copy thread, "transfer"
+    with at least one write in flight."""
 
     start: float
     end: float
     ops: int
+    busy: tuple[tuple[str, float], ...] = ()
 
 
 class _Rank:
@@ -124,7 +137,7 @@ class _Rank:
         self.rank = rank
         self.tp = config.prefill_tp if self.role == PREFILL else config.decode_tp
         self.heads = heads_of_rank(config.layout.num_kv_heads, self.tp, rank)
-        self.pool = KVPool.for_rank(config.layout, self.tp, rank, config.pool_pages)
+        self.pool = KVPool.for_rank(config.layout, self.tp, rank, config.pool_pages, pool_device(config, rank))
         self.pool.allocator.allocate(config.pool_pages, owner="engine")
         self.pages = slot_pages(config, self.role, rank)
         self.bootstrap = bootstrap
@@ -146,6 +159,15 @@ class _Rank:
 
     def close(self) -> None:
         self.agent.close()
+
+    def stage_seconds(self) -> dict[str, float]:
+        """Seconds this rank's agent has spent so far in each stage of the staged path."""
+        m = self.agent.metrics
+        copy = "gather" if self.role == PREFILL else "scatter"
+        seconds = {copy: m.value("kvstage_copy_seconds_sum", kind=copy)}
+        if self.role == PREFILL:
+            seconds["transfer"] = m.value("kvstage_transfer_busy_seconds_total")
+        return seconds
 
     def wait_rooms(self, rooms: list[int], poll_s: float) -> float:
         """Poll the agent every `poll_s` until every room ended; returns when the last one was seen to end.
@@ -188,8 +210,10 @@ class DecodeRank(_Rank):
     def info(self) -> dict[str, Any]:
         return {"pages": self.pages, "target": encode_descriptor(self.agent.transport.export(self.target))}
 
-    def wait(self, rooms: list[int]) -> float:
-        return self.wait_rooms(rooms, DECODE_POLL_S)
+    def wait(self, rooms: list[int]) -> Timed:
+        before = self.stage_seconds()
+        end = self.wait_rooms(rooms, DECODE_POLL_S)
+        return Timed(end, end, 0, since(before, self.stage_seconds()))
 
     def expect(self, rooms: list[tuple[int, int]]) -> None:
         peers = tuple(peer_id(PREFILL, r) for r in range(self.config.prefill_tp))
@@ -204,7 +228,8 @@ class DecodeRank(_Rank):
         same = True
         for pages in self.pages:
             slots = self.pool.slot_indices(pages, 0, self.config.tokens)
-            same = same and torch.equal(byte_view(self.pool).index_select(2, slots), target.index_select(2, slots))
+            landed = byte_view(self.pool).index_select(2, slots).cpu()
+            same = same and torch.equal(landed, target.index_select(2, slots.cpu()))
         return {
             "staged_equals_slice": same,
             "heads": [head_digests(self.config, self.pool, self.heads, pages) for pages in self.pages],
@@ -223,7 +248,9 @@ class PrefillRank(_Rank):
         super().__init__(config, rank, bootstrap)
         self.baseline: DataTransport = create_transport(TransportConfig(backend=config.backend))
         self.digests = [self._fill(slot) for slot in range(config.concurrency)]
-        self.source = self.baseline.register(self.pool.flat)
+        # the baselines move host memory: the pool itself, or a host copy of a GPU pool (same bytes, same offsets)
+        self.host_pool = self.pool.flat if self.pool.device.type == "cpu" else self.pool.flat.cpu()
+        self.source = self.baseline.register(self.host_pool)
         self.transfers = [
             t
             for t in plan_head_transfers(config.layout.num_kv_heads, config.prefill_tp, config.decode_tp)
@@ -250,7 +277,7 @@ class PrefillRank(_Rank):
         view = byte_view(self.pool)
         slots = self.pool.slot_indices(self.pages[slot], 0, self.config.tokens)
         for i, head in enumerate(self.heads):
-            view[:, :, :, i].index_copy_(2, slots, head_kv(self.config, slot, head))
+            view[:, :, :, i].index_copy_(2, slots, head_kv(self.config, slot, head).to(self.pool.device))
         return head_digests(self.config, self.pool, self.heads, self.pages[slot])
 
     def _slices(self, slot: int, dst_pages: list[list[list[int]]]) -> list[tuple[RemoteRegion, list[Slice], int]]:
@@ -285,13 +312,13 @@ class PrefillRank(_Rank):
         for room, _ in rooms:
             self.prefill_agent.attach_room(room, self.config.tokens, self.config.decode_tp, self.config.timeout_s)
             self.prefill_agent.compute_scheduled(room, self.config.tokens)
-        ops = self.agent.transport.ops_issued
+        ops, before = self.agent.transport.ops_issued, self.stage_seconds()
         start = wait_until(start_at)
         for room, slot in rooms:
             self.prefill_agent.kv_ready(room, self.config.tokens, tuple(self.pages[slot]))
         end = self.wait_rooms([room for room, _ in rooms], PREFILL_POLL_S)
         self.agent.wait_quiescent(self.config.timeout_s)
-        return Timed(start, end, self.agent.transport.ops_issued - ops)
+        return Timed(start, end, self.agent.transport.ops_issued - ops, since(before, self.stage_seconds()))
 
     def per_slice(self, slots: list[int], start_at: float) -> Timed:
         batch = self.config.batch_slices
@@ -318,7 +345,7 @@ class PrefillRank(_Rank):
             "digests": self.digests,
             "slice_descriptors": [sum(n for _, _, n in per_slot) for per_slot in self.slices],
             "raw": [
-                [(t.decode_rank, w[1], w[2], sha(self.pool.flat[w[0] : w[0] + w[2]])) for t, (_, w) in
+                [(t.decode_rank, w[1], w[2], sha(self.host_pool[w[0] : w[0] + w[2]])) for t, (_, w) in
                  zip(self.transfers, self.raw[slot], strict=True)]
                 for slot in range(self.config.concurrency)
             ],

@@ -7,6 +7,10 @@ decode rank's `StagingRing` hands out regions of.
 Block layout (see docs/layout.md): `[K layer 0..L-1 | V layer 0..L-1]`, each layer token-major
 `tokens x heads x head_dim`, i.e. a contiguous `[2, L, tokens, heads, head_dim]` array.
 
+Host staging: the staging buffer may sit in host memory while the pool is on a GPU (what the DRAM transports
+register). Gather then selects on the GPU and copies the block down once; scatter copies it up once and selects
+on the GPU. Both return only when the bytes have landed, so the caller may free or reuse the region at once.
+
 Invariants: copies go through an integer view of the bytes (the widest word that divides the head size and the
 block's address), so every bit pattern survives, NaN payloads and -0.0 included, in fp32, bf16, fp16 and fp8.
 Each copy is a single torch op over all layers and both K and V (`index_select` / `index_copy_` over slot
@@ -50,7 +54,7 @@ def _region(staging: torch.Tensor, offset: int, nbytes: int, device: torch.devic
         raise InvalidRequest(
             f"staging must be a contiguous 1-D uint8 tensor, got {staging.dtype} of shape {tuple(staging.shape)}"
         )
-    if staging.device != device:
+    if staging.device != device and staging.device.type != "cpu":
         raise InvalidRequest(f"staging is on {staging.device} but the KV pool is on {device}")
     if offset < 0 or offset + nbytes > staging.numel():
         raise InvalidRequest(
@@ -109,7 +113,10 @@ def gather_slots(
     For hot paths that validate a request's pages once and reuse its slot indices for every chunk.
     """
     src, block = _views(pool, staging, offset, slots.numel(), head_start, num_heads)
-    torch.index_select(src, 2, slots, out=block)
+    if block.device == src.device:
+        torch.index_select(src, 2, slots, out=block)
+    else:  # host staging of a device pool: gather on the device, one copy down (returns once it has landed)
+        block.copy_(torch.index_select(src, 2, slots))
     return block.numel() * block.element_size()
 
 
@@ -141,7 +148,9 @@ def scatter_slots(
 ) -> int:
     """`scatter` for slots already returned by `pool.slot_indices`: one kernel, no page validation."""
     dst, block = _views(pool, staging, offset, slots.numel(), head_start, num_heads)
-    dst.index_copy_(2, slots, block)
+    dst.index_copy_(2, slots, block.to(dst.device))  # host staging of a device pool: one copy up, then scatter
+    if dst.device.type == "cuda":  # the bytes are in the pool when this returns, whichever stream reads them next
+        torch.cuda.current_stream(dst.device).synchronize()
     return block.numel() * block.element_size()
 
 

@@ -41,6 +41,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+import torch
+
 from kvstage.dataplane import KVPool
 from kvstage.errors import ConfigError, KVStageError, TransportError
 from kvstage.layout import KVLayout
@@ -80,7 +82,7 @@ log = logging.getLogger(__name__)
 #: BUSY_POLL_MIN_S, doubling up to BUSY_POLL_MAX_S while nothing completes, back to the minimum on a completion.
 #: With nothing in flight it sleeps up to IDLE_POLL_S when no event or timer is due.
 BUSY_POLL_MIN_S = 0.0002
-BUSY_POLL_MAX_S = 0.004
+BUSY_POLL_MAX_S = 0.001
 IDLE_POLL_S = 0.05
 
 
@@ -107,6 +109,8 @@ class AgentConfig:
     ring_bytes: int = 0
     ring_alignment: int = 64
     staging_bytes: int = 64 * 2**20
+    #: Prefill: writes in flight per decode peer; more wait in order (see PrefillAgent._enqueue_write).
+    writes_per_peer: int = 2
     max_inbox: int = 65536
     max_pending_sends: int = 1024
     resolve_refresh_s: float = 1.0
@@ -150,9 +154,20 @@ class _ChannelFailure:
 _STOP = object()
 
 
+def _cudart() -> Any:
+    """torch's binding of the CUDA runtime (page-locking host memory that a transport allocated)."""
+    return torch.cuda.cudart()  # type: ignore[no-untyped-call]
+
+
 def export_pool(agent: BaseAgent) -> dict[str, bytes]:
     """Register the engine's KV pool with the agent's transport (both sides) and, where the backend can export
-    caller memory, publish it for the direct path (prefill writes page to page into decode's pool)."""
+    caller memory, publish it for the direct path (prefill writes page to page into decode's pool).
+
+    A pool on a GPU is not registered: the data transports move host memory, so such a rank has the staged path
+    only (its gather/scatter cross between the GPU pool and host staging)."""
+    if agent.pool.device.type != "cpu":
+        log.info("%s: KV pool on %s; the direct path needs a host pool", agent.peer_id, agent.pool.device)
+        return {}
     agent.pool_region = agent.transport.register(agent.pool.flat)
     try:
         return {"pool": encode_descriptor(agent.transport.export(agent.pool_region))}
@@ -191,7 +206,8 @@ class BaseAgent(ABC):
         self._thread = threading.Thread(target=self._run, name=f"kvstage-{self.role}-agent", daemon=True)
         self._started = False
         self.transport: DataTransport
-        self.pool_region: LocalRegion
+        self.pool_region: LocalRegion | None = None
+        self._pinned: list[int] = []
         self.endpoint: DecodeEndpoint | PrefillEndpoint
         self.copier: Copier
         self.channel: ControlChannel[Envelope]
@@ -257,6 +273,8 @@ class BaseAgent(ABC):
             client.close()
         self.resolver.close()
         self.channel.close()
+        for address in self._pinned:
+            _cudart().cudaHostUnregister(address)
         self.transport.close()
 
     def __enter__(self) -> BaseAgent:
@@ -304,6 +322,21 @@ class BaseAgent(ABC):
                 return True
             time.sleep(0.01)
         return self._snapshot.quiescent
+
+    def _host_region(self, nbytes: int) -> LocalRegion:
+        """Transport memory for staging (prefill) or the ring (decode). When the pool is on a GPU it is also
+        page-locked, so the copies between it and the pool run at DMA speed; where that fails it is logged and
+        the copies go through CUDA's pageable path, slower but correct."""
+        region = self.transport.allocate(nbytes)
+        if self.pool.device.type == "cuda" and not self.transport.pins_for_cuda:
+            address = region.tensor.data_ptr()
+            error = _cudart().cudaHostRegister(address, nbytes, 0)
+            if int(error) == 0:
+                self._pinned.append(address)
+            else:
+                log.warning("%s: cannot page-lock %d bytes of host staging (CUDA error %s); copies will be slower",
+                            self.peer_id, nbytes, error)  # fmt: skip
+        return region
 
     # ---- subclass hooks ----------------------------------------------------------------------------------
 

@@ -73,7 +73,7 @@ class DecodeAgent(BaseAgent):
     # ---- hooks -------------------------------------------------------------------------------------------
 
     def _setup_memory(self) -> dict[str, bytes]:
-        self.ring_region = self.transport.allocate(self.config.ring_bytes)
+        self.ring_region = self._host_region(self.config.ring_bytes)
         return {"ring": encode_descriptor(self.transport.export(self.ring_region)), **export_pool(self)}
 
     def _make_endpoint(self) -> DecodeEndpoint:
@@ -137,7 +137,7 @@ class DecodeAgent(BaseAgent):
         else:
             del self._scatters[room]
         if done.ok:
-            self.metrics.scatter_done(done.seconds)
+            self.metrics.copy_done("scatter", done.seconds)
         self._complete(token, done.ok, "" if done.ok else f"scatter failed: {done.reason}")
         if not left:
             for fence in self._fences.pop(room, []):

@@ -10,6 +10,7 @@ Metrics (all prefixed `kvstage_`, all labelled with the agent's `role` and `peer
 - `watermark_lag_bytes` (decode): bytes between the ring's watermark and its head, i.e. how far the oldest live
   allocation holds writers back; `parked_chunks` (prefill): chunks waiting for ring space;
 - `rooms{state}`: open rooms by state (open / succeeded / failed, the last two as totals);
+- `copy_seconds{kind}` (histogram): run time of each chunk's gather (prefill) or scatter (decode);
 - `transfer_bytes_total`, `transfer_seconds` (histogram), `transfer_busy_seconds_total`,
   `transfer_throughput_bytes_per_second` (bytes over busy time), `transfer_ops_total`;
 - `room_failures_total{reason}`: failures by reason (reasons.py vocabulary);
@@ -95,9 +96,10 @@ class AgentMetrics:
         self.transfer_seconds = Histogram(
             "kvstage_transfer_seconds", "Latency of one transfer", labels, buckets=_LATENCY_BUCKETS, registry=reg
         )
-        self.scatter_seconds = Histogram(
-            "kvstage_scatter_seconds", "Latency of one chunk scatter", labels, buckets=_LATENCY_BUCKETS, registry=reg
-        )
+        self.copy_seconds = Histogram(
+            "kvstage_copy_seconds", "Run time of one chunk's gather (prefill) or scatter (decode) on the copy thread",
+            (*labels, "kind"), buckets=_LATENCY_BUCKETS, registry=reg,
+        )  # fmt: skip
         self.failures = Counter("kvstage_room_failures", "Room failures by reason", (*labels, "reason"), registry=reg)
         self.rejected = Counter(
             "kvstage_rejected_frames", "Inbound frames dropped, by reason", (*labels, "reason"), registry=reg
@@ -129,8 +131,9 @@ class AgentMetrics:
             with self._lock:
                 self.throughput.labels(*self._labels).set(self._bytes_moved / busy)
 
-    def scatter_done(self, seconds: float) -> None:
-        self.scatter_seconds.labels(*self._labels).observe(seconds)
+    def copy_done(self, kind: str, seconds: float) -> None:
+        """One chunk's gather or scatter (`kind`) ran for `seconds` on the copy thread."""
+        self.copy_seconds.labels(*self._labels, kind).observe(seconds)
 
     def room_failed(self, reason: str) -> None:
         self.failures.labels(*self._labels, reason).inc()

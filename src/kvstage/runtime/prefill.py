@@ -17,11 +17,11 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 from kvstage.dataplane import KVPool, PoolGeometry, SliceCopy, gather, plan_direct_slices
-from kvstage.errors import KVStageError, StagingOversized
+from kvstage.errors import ConfigError, KVStageError, StagingOversized
 from kvstage.layout import heads_of_rank
 from kvstage.protocol import (
     AttachRoom,
@@ -50,18 +50,22 @@ log = logging.getLogger(__name__)
 #: Reasons given to a write the runtime cannot carry out (logged; the room fails with "transfer failed").
 NO_RING = "no staging ring known for the decode peer"
 STALE_RING = "the decode peer restarted since it granted this region"
+NO_LOCAL_POOL = "this rank's KV pool is on {device}; the data transports write host memory, so no direct path"
 NO_POOL = "the decode peer exported no KV pool for the direct path (the local backend cannot export engine memory)"
 
 
 @dataclass(slots=True)
 class _Write:
-    """One write in flight: staged (a slot of the local staging buffer) or direct (slices of the KV pool)."""
+    """One write: staged (a slot of the local staging buffer) or direct (slices of the KV pool). `runs` and
+    `source` are set once it is ready to go (gathered, or planned)."""
 
     action: WriteRegion | WriteDirect
     remote: RemoteRegion
     nbytes: int
     slot: Allocation | None = None
     started: float = 0.0
+    runs: list[tuple[int, int, int]] = field(default_factory=list)
+    source: LocalRegion | None = None
 
 
 class PrefillAgent(BaseAgent):
@@ -73,6 +77,8 @@ class PrefillAgent(BaseAgent):
     endpoint: PrefillEndpoint
 
     def __init__(self, config: AgentConfig, pool: KVPool) -> None:
+        if config.writes_per_peer < 1:
+            raise ConfigError(f"writes_per_peer must be at least 1, got {config.writes_per_peer}")
         super().__init__(config, pool)
         # decode peer -> (its session, its ring) and (its session, its KV pool, the pool's geometry)
         self._rings: dict[str, tuple[int, RemoteRegion]] = {}
@@ -82,6 +88,8 @@ class PrefillAgent(BaseAgent):
         self._in_flight: dict[int, _Write] = {}
         self._gathering: dict[int, _Write] = {}  # action token -> staged write whose gather is running
         self._unresolved: list[tuple[float, WriteRegion | WriteDirect]] = []  # waiting for a newer decode record
+        self._window: dict[str, int] = {}  # decode peer -> writes in flight to it
+        self._queued: dict[str, deque[_Write]] = {}  # decode peer -> ready writes waiting for its window
         self.staging_region: LocalRegion
 
     # ---- engine-facing -----------------------------------------------------------------------------------
@@ -101,7 +109,7 @@ class PrefillAgent(BaseAgent):
     # ---- hooks -------------------------------------------------------------------------------------------
 
     def _setup_memory(self) -> dict[str, bytes]:
-        self.staging_region = self.transport.allocate(self.config.staging_bytes)
+        self.staging_region = self._host_region(self.config.staging_bytes)
         export_pool(self)  # the pool is the source of direct-path writes
         return {"staging": encode_descriptor(self.transport.export(self.staging_region))}
 
@@ -247,10 +255,14 @@ class PrefillAgent(BaseAgent):
             self._slab.free(write.slot)
             self._complete(write.action.token, False, f"gather failed: {done.reason}")
             return
-        self._submit(write, [(write.slot.offset, write.action.dst_offset, write.nbytes)], self.staging_region)
+        self.metrics.copy_done("gather", done.seconds)
+        self._enqueue_write(write, [(write.slot.offset, write.action.dst_offset, write.nbytes)], self.staging_region)
 
     def _write_direct(self, action: WriteDirect, remote: RemoteRegion) -> None:
         """One operation per contiguous run of each (layer, K/V, page) slice, page to page."""
+        if self.pool_region is None:
+            self._complete(action.token, False, NO_LOCAL_POOL.format(device=self.pool.device))
+            return
         geometry = self._pools[action.peer][2]
         try:
             slices = plan_direct_slices(
@@ -260,12 +272,41 @@ class PrefillAgent(BaseAgent):
             self._complete(action.token, False, f"direct plan failed: {exc}")
             return
         runs = [run for s in slices for run in _contiguous_runs(s)]
-        self._submit(_Write(action, remote, sum(run[2] for run in runs)), runs, self.pool_region)
+        self._enqueue_write(_Write(action, remote, sum(run[2] for run in runs)), runs, self.pool_region)
 
-    def _submit(self, write: _Write, runs: list[tuple[int, int, int]], source: LocalRegion) -> None:
+    def _enqueue_write(self, write: _Write, runs: list[tuple[int, int, int]], source: LocalRegion) -> None:
+        """Submit `write` now if its decode peer's window has room, else queue it behind the peer's other writes.
+
+        The window (`AgentConfig.writes_per_peer`) keeps the link busy while chunks still land one after another,
+        so decode scatters chunk k while chunk k+1 is on the wire; with every write in flight at once they would
+        share the link and all land at the end, leaving every scatter after the last byte."""
+        write.runs, write.source = runs, source
+        peer = write.action.peer
+        if self._window.get(peer, 0) < self.config.writes_per_peer:
+            self._submit(write)
+        else:
+            self._queued.setdefault(peer, deque()).append(write)
+
+    def _submit(self, write: _Write) -> None:
+        assert write.source is not None
+        peer = write.action.peer
+        self._window[peer] = self._window.get(peer, 0) + 1
         write.started = time.perf_counter()
         self.metrics.transfer_started()
-        self._in_flight[self.transport.write_batch(source, write.remote, runs)] = write
+        self._in_flight[self.transport.write_batch(write.source, write.remote, write.runs)] = write
+
+    def _window_freed(self, peer: str) -> None:
+        """One write to `peer` ended: submit its next queued write, if any."""
+        left = self._window[peer] - 1
+        if left:
+            self._window[peer] = left
+        else:
+            del self._window[peer]
+        queued = self._queued.get(peer)
+        if queued:
+            self._submit(queued.popleft())
+            if not queued:
+                del self._queued[peer]
 
     def _poll_transport(self) -> None:
         for done in self.transport.poll():
@@ -276,6 +317,7 @@ class PrefillAgent(BaseAgent):
                 continue
             if write.slot is not None:
                 self._slab.free(write.slot)
+            self._window_freed(write.action.peer)
             self.metrics.transfer_finished(write.nbytes, time.perf_counter() - write.started, done.ops, done.ok)
             self._complete(write.action.token, done.ok, "" if done.ok else f"transfer failed: {done.reason}")
 
@@ -287,15 +329,16 @@ class PrefillAgent(BaseAgent):
         self.metrics.set_parked(self.endpoint.parked_count())
 
     def _busy(self) -> bool:
-        return bool(self._in_flight)
+        return bool(self._in_flight or self._queued)
 
     def _make_snapshot(self, stats: dict[str, int]) -> AgentSnapshot:
         base = super()._make_snapshot(stats)
         return AgentSnapshot(
             open_rooms=base.open_rooms,
-            quiescent=base.quiescent and not (self._in_flight or self._waiting or self._unresolved or self._gathering),
+            quiescent=base.quiescent
+            and not (self._in_flight or self._waiting or self._unresolved or self._gathering or self._queued),
             writes_in_flight=len(self._in_flight),
-            writes_waiting=len(self._waiting),
+            writes_waiting=len(self._waiting) + sum(len(q) for q in self._queued.values()),
             pending_sends=base.pending_sends,
             stats=stats,
         )

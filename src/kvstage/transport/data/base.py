@@ -204,6 +204,9 @@ class DataTransport(ABC):
     """
 
     backend: ClassVar[str]
+    #: Whether registering host memory with the backend already page-locks it for CUDA, so that callers must not
+    #: page-lock it a second time (CUDA refuses that, and the refusal surfaces in the next CUDA call).
+    pins_for_cuda: ClassVar[bool] = False
 
     def __init__(self, config: TransportConfig) -> None:
         self.config = config

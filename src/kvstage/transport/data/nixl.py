@@ -134,6 +134,9 @@ class NixlTransport(DataTransport):
     """NIXL backend over UCX (or `TransportConfig.nixl_backend`), DRAM regions only."""
 
     backend = "nixl"
+    #: UCX built with CUDA page-locks the host memory NIXL registers (seen on an H200 host: page-locking a NIXL
+    #: region again fails with cudaErrorHostMemoryAlreadyRegistered).
+    pins_for_cuda = True
 
     def __init__(self, config: TransportConfig) -> None:
         nixl = load_nixl()
