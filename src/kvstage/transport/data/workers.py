@@ -8,8 +8,8 @@ turns transport errors into failed completions itself, and an error that escapes
 becomes a failed completion too, so a worker thread never dies because one transfer failed. `stop` lets queued
 jobs finish, then joins the threads.
 
-Used by the `local` backend (copies into shared memory) and the `mooncake` backend (whose Python binding only
-offers blocking status checks for batches); `nixl` is natively asynchronous and needs none.
+Used by every backend: `local` (copies into shared memory), `mooncake` (whose Python binding only offers blocking
+status checks for batches) and `nixl` (whose UCX backend copies a same-host write inside the posting call).
 """
 
 from __future__ import annotations
