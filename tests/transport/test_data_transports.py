@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import sys
+import threading
 from collections.abc import Iterator
 
 import pytest
@@ -65,6 +66,18 @@ def test_bulk_and_batched_slices_land_bit_exact_in_the_reader_process(peer: Read
     for s_off, d_off, length in slices:
         expected[d_off : d_off + length] = source.tensor[s_off : s_off + length]
     assert peer.digest(0, REGION) == digest(expected)
+
+
+def test_every_completion_wakes_the_owner_so_it_need_not_poll(peer: ReaderPeer, writer: DataTransport) -> None:
+    woken = threading.Semaphore(0)
+    writer.on_completion(woken.release)
+    source = writer.register(random_bytes(REGION, seed=3))
+    remote = writer.import_remote(decode_descriptor(encode_descriptor(peer.descriptor)))
+    landed = writer.write(source, 0, remote, 0, REGION)
+    refused = writer.write(source, 0, remote, REGION, 1)  # outside the region: fails at once, and wakes too
+    assert woken.acquire(timeout=30) and woken.acquire(timeout=30)
+    done = {c.transfer_id: c for c in writer.poll()}  # no waiting: both are ready once both wake-ups came
+    assert done[landed].ok and not done[refused].ok
 
 
 def test_write_outside_the_remote_region_fails_with_a_reason_and_moves_no_byte(

@@ -78,11 +78,12 @@ from kvstage.transport.data import (
 
 log = logging.getLogger(__name__)
 
-#: While writes are in flight the agent thread polls its transport (transports have no wake-up fd): first after
-#: BUSY_POLL_MIN_S, doubling up to BUSY_POLL_MAX_S while nothing completes, back to the minimum on a completion.
-#: With nothing in flight it sleeps up to IDLE_POLL_S when no event or timer is due.
+#: The transport wakes the agent thread when a write completes (`DataTransport.on_completion`). As a backstop
+#: while writes are in flight, the thread also polls it: first after BUSY_POLL_MIN_S, doubling up to
+#: BUSY_POLL_MAX_S while nothing completes. With nothing in flight it sleeps up to IDLE_POLL_S when no event or
+#: timer is due.
 BUSY_POLL_MIN_S = 0.0002
-BUSY_POLL_MAX_S = 0.001
+BUSY_POLL_MAX_S = 0.004
 IDLE_POLL_S = 0.05
 
 
@@ -152,6 +153,7 @@ class _ChannelFailure:
 
 
 _STOP = object()
+_WAKE = object()  # a write completed: the loop polls the transport after every batch of events
 
 
 def _cudart() -> Any:
@@ -221,6 +223,7 @@ class BaseAgent(ABC):
         Blocking (network), so call it at engine start-up, not on the scheduler path.
         """
         self.transport = create_transport(self.config.transport)
+        self.transport.on_completion(lambda: self._events.put(_WAKE))
         try:
             descriptors = self._setup_memory()
             self.endpoint = self._make_endpoint()
@@ -410,7 +413,7 @@ class BaseAgent(ABC):
             for item in batch:
                 if item is _STOP:
                     stopping = True
-                else:
+                elif item is not _WAKE:
                     self._guarded(self._dispatch, item)
             self._guarded(self._poll_transport)
             now = time.monotonic()

@@ -47,7 +47,7 @@ import os
 import threading
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -219,6 +219,7 @@ class DataTransport(ABC):
         self._in_flight: set[int] = set()
         self._ops_issued = 0
         self._closed = False
+        self._wake: Callable[[], None] | None = None
 
     # ---- memory -------------------------------------------------------------------------------------------
     def allocate(self, nbytes: int) -> LocalRegion:
@@ -309,9 +310,21 @@ class DataTransport(ABC):
                 reason = self._submit(transfer_id, src, dst, slices)
             if reason:
                 self._ready.append(Completion(transfer_id, False, reason, len(slices)))
+                self._completed()
             else:
                 self._in_flight.add(transfer_id)
             return transfer_id
+
+    def on_completion(self, wake: Callable[[], None]) -> None:
+        """Have `wake()` called, from any thread, whenever a completion becomes ready for `poll`, so the caller can
+        sleep until then instead of polling. `wake` must be quick and must not call back into the transport."""
+        self._wake = wake
+
+    def _completed(self) -> None:
+        """Backends call this (from any thread) after making a completion ready for `_progress`."""
+        wake = self._wake
+        if wake is not None:
+            wake()
 
     def poll(self) -> list[Completion]:
         """Completions (successes and failures) since the last call, in no particular order. Never raises."""

@@ -91,7 +91,7 @@ class LocalTransport(DataTransport):
         self._owned: dict[int, _Segment] = {}
         self._mapped: dict[int, _Segment] = {}
         _sweep_dead_segments(self._dir)
-        self._copier: JobRunner[_Job] = JobRunner(f"kvstage-local-{config.name}", _run_job)
+        self._copier: JobRunner[_Job] = JobRunner(f"kvstage-local-{config.name}", _run_job, notify=self._completed)
 
     # ---- memory -------------------------------------------------------------------------------------------
     def _allocate(self, nbytes: int, region_id: int) -> torch.Tensor:

@@ -98,7 +98,9 @@ class MooncakeTransport(DataTransport):
             )
         self.session = f"{config.host}:{self._engine.get_rpc_port()}"
         self._peers: dict[int, _MooncakeRef] = {}
-        self._writer: JobRunner[_Write] = JobRunner(f"kvstage-mooncake-{config.name}", self._run, _WORKERS)
+        self._writer: JobRunner[_Write] = JobRunner(
+            f"kvstage-mooncake-{config.name}", self._run, _WORKERS, notify=self._completed
+        )
 
     def _register(self, region: LocalRegion) -> None:
         rc = self._engine.register_memory(region.address, region.nbytes)

@@ -175,7 +175,9 @@ class NixlTransport(DataTransport):
         self._registrations: dict[int, Any] = {}
         self._peers: dict[int, int] = {}
         self._owner_refs: dict[str, int] = {}
-        self._writer: JobRunner[_Write] = JobRunner(f"kvstage-nixl-{config.name}", self._run, _WORKERS)
+        self._writer: JobRunner[_Write] = JobRunner(
+            f"kvstage-nixl-{config.name}", self._run, _WORKERS, notify=self._completed
+        )
 
     def _register(self, region: LocalRegion) -> None:
         try:

@@ -39,10 +39,14 @@ J = TypeVar("J", bound=Job)
 
 
 class JobRunner(Generic[J]):
-    """`threads` workers each calling `run(job)` for queued jobs; completions come back through `drain`."""
+    """`threads` workers each calling `run(job)` for queued jobs; completions come back through `drain`, and
+    `notify()` (if given) is called on the worker thread after each one is ready."""
 
-    def __init__(self, name: str, run: Callable[[J], Completion], threads: int = 1) -> None:
+    def __init__(
+        self, name: str, run: Callable[[J], Completion], threads: int = 1, notify: Callable[[], None] | None = None
+    ) -> None:
         self._run = run
+        self._notify = notify
         self._jobs: queue.SimpleQueue[J | None] = queue.SimpleQueue()
         self._done: list[Completion] = []
         self._lock = threading.Lock()
@@ -78,3 +82,5 @@ class JobRunner(Generic[J]):
                 completion = Completion(job.transfer_id, False, f"internal error in transfer worker: {err!r}", job.ops)
             with self._lock:
                 self._done.append(completion)
+            if self._notify is not None:
+                self._notify()
