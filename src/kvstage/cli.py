@@ -90,6 +90,9 @@ def bench(
     ring_chunks: int = typer.Option(
         4, "--ring-chunks", min=1, help="Chunk regions per decode ring (and chunks per prefill staging slab)."
     ),
+    writes_per_peer: int = typer.Option(
+        2, "--writes-per-peer", min=1, help="Prefill writes in flight per decode rank."
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print the results as JSON on the last stdout line."),
     plot_file: str | None = typer.Option(None, "--plot", help="Write a bar chart (PNG) to this file."),
 ) -> None:
@@ -115,6 +118,7 @@ def bench(
             repeats,
             device=device,
             ring_chunks=ring_chunks,
+            writes_per_peer=writes_per_peer,
         )
     except ConfigError as exc:
         raise typer.BadParameter(str(exc)) from exc

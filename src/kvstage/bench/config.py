@@ -72,6 +72,7 @@ class BenchConfig:
     repeats: int = 3
     device: str = "cpu"
     ring_chunks: int = 4
+    writes_per_peer: int = 2
     batch_slices: int = 4096
     timeout_s: float = 300.0
     seed: int = 20261129
@@ -79,7 +80,8 @@ class BenchConfig:
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
             raise ConfigError(f"--backend {self.backend!r} is unknown; choose one of {', '.join(BACKENDS)}")
-        for name in ("prefill_tp", "decode_tp", "tokens", "concurrency", "repeats", "batch_slices", "ring_chunks"):
+        positive = ("prefill_tp", "decode_tp", "tokens", "concurrency", "repeats", "batch_slices", "ring_chunks")
+        for name in (*positive, "writes_per_peer"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")

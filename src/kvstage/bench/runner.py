@@ -120,6 +120,7 @@ class BenchResult:
             "repeats": c.repeats,
             "device": c.device,
             "ring_chunks": c.ring_chunks,
+            "writes_per_peer": c.writes_per_peer,
             "verified": list(self.checks),
             "staged_stages_s": self.staged_stages(),
         }

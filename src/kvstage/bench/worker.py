@@ -155,6 +155,7 @@ class _Rank:
             transport=TransportConfig(backend=self.config.backend),
             timing=BENCH_TIMING,
             chunk_tokens=self.config.chunk_tokens,
+            writes_per_peer=self.config.writes_per_peer,
         )
 
     def close(self) -> None:
