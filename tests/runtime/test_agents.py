@@ -26,16 +26,22 @@ def _byte_view(pool: KVPool) -> torch.Tensor:
 
 class Cluster:
     def __init__(
-        self, prefill_tp: int, decode_tp: int, layout: KVLayout = LAYOUT, ring_bytes: int = 16384, writes_per_peer=2
+        self,
+        prefill_tp: int,
+        decode_tp: int,
+        layout: KVLayout = LAYOUT,
+        ring_bytes: int = 16384,
+        writes_per_peer: int = 2,
+        device: str = "cpu",
     ) -> None:
         self.bootstrap = BootstrapServer().start()
-        self.writes_per_peer = writes_per_peer
+        self.writes_per_peer, self.device = writes_per_peer, device
         self.prefill_tp, self.decode_tp = prefill_tp, decode_tp
         self.prefill = [self._agent(PrefillAgent, "P", prefill_tp, r, layout, ring_bytes) for r in range(prefill_tp)]
         self.decode = [self._agent(DecodeAgent, "D", decode_tp, r, LAYOUT, ring_bytes) for r in range(decode_tp)]
 
     def _agent(self, cls, instance, tp, rank, layout, ring_bytes):
-        pool = KVPool.for_rank(layout, tp, rank, num_pages=64)
+        pool = KVPool.for_rank(layout, tp, rank, num_pages=64, device=self.device)
         config = AgentConfig(
             instance=instance,
             rank=rank,
@@ -99,7 +105,7 @@ def _run_room(cluster: Cluster, room: int, num_tokens: int, prefix: int = 0) -> 
         sides["prefill"].append(pages)
         heads = heads_of_rank(LAYOUT.num_kv_heads, cluster.prefill_tp, rank)
         slots = agent.pool.slot_indices(pages, 0, num_tokens)
-        _byte_view(agent.pool).index_copy_(2, slots, kv[:, :, :, heads.start : heads.stop].contiguous())
+        _byte_view(agent.pool).index_copy_(2, slots, kv[:, :, :, heads.start : heads.stop].to(agent.pool.device))
         agent.attach_room(room, num_tokens, cluster.decode_tp, timeout_s=20)
         agent.compute_scheduled(room, num_tokens)
         agent.kv_ready(room, num_tokens, tuple(pages))
@@ -111,7 +117,7 @@ def _assert_landed(cluster: Cluster, sides: dict, prefix: int) -> None:
     for rank, agent in enumerate(cluster.decode):
         heads = heads_of_rank(LAYOUT.num_kv_heads, cluster.decode_tp, rank)
         slots = agent.pool.slot_indices(sides["decode"][rank], prefix, kv.shape[2])
-        got = _byte_view(agent.pool).index_select(2, slots)
+        got = _byte_view(agent.pool).index_select(2, slots).cpu()
         assert torch.equal(got, kv[:, :, prefix:, heads.start : heads.stop])
 
 
@@ -153,6 +159,22 @@ def test_a_writer_keeps_at_most_its_window_of_writes_in_flight_per_decode_peer(m
     for room in sides:
         _assert_landed(cluster, sides[room], 0)
     assert len(seen) == 2 * 2 * 8 and max(seen) == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 1), (1, 2), (4, 2)])
+def test_kv_on_a_gpu_is_staged_through_host_memory_bit_exact(make_cluster, prefill_tp, decode_tp):
+    cluster = make_cluster(prefill_tp, decode_tp, device="cuda")
+    rooms = {1: (37, 0), 2: (50, 16)}
+    sides = {room: _run_room(cluster, room, n, p) for room, (n, p) in rooms.items()}
+    for agent in cluster.decode + cluster.prefill:
+        assert all(o.ok for o in _wait(agent, len(rooms)).values())
+    for room, (_, prefix) in rooms.items():
+        _assert_landed(cluster, sides[room], prefix)
+    for agent in cluster.decode:
+        assert agent.wait_quiescent(5) and agent.snapshot().ring_live_bytes == 0
+        assert agent.metrics.value("kvstage_copy_seconds_count", kind="scatter") > 0
 
 
 def test_aborted_room_fails_on_both_sides_and_decode_gets_its_pages_back(make_cluster):

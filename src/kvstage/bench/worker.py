@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -69,6 +70,11 @@ def byte_view(pool: KVPool) -> torch.Tensor:
     """`[2, L, slots, heads, head_bytes]` uint8 view of a pool."""
     g = pool.geometry
     return pool.flat.view(2, pool.layout.num_layers, g.num_slots, pool.num_heads, pool.layout.head_bytes)
+
+
+def copy_threads(config: BenchConfig) -> int:
+    """torch threads per rank process: its share of the host's cores (host-memory gathers and scatters use them)."""
+    return max(1, (os.cpu_count() or 1) // (config.prefill_tp + config.decode_tp))
 
 
 def pool_device(config: BenchConfig, rank: int) -> str:
@@ -368,7 +374,7 @@ def worker_main(
 ) -> None:
     """Process body: build the rank, report `("ready", info)`, then answer commands until "stop"."""
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s bench-{role}{rank} %(name)s %(message)s")
-    torch.set_num_threads(1)
+    torch.set_num_threads(copy_threads(config))
     try:
         node: DecodeRank | PrefillRank = (
             DecodeRank(config, rank, bootstrap) if role == DECODE else PrefillRank(config, rank, bootstrap, decode_info)

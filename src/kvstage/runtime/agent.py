@@ -41,8 +41,6 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-import torch
-
 from kvstage.dataplane import KVPool
 from kvstage.errors import ConfigError, KVStageError, TransportError
 from kvstage.layout import KVLayout
@@ -156,11 +154,6 @@ _STOP = object()
 _WAKE = object()  # a write completed: the loop polls the transport after every batch of events
 
 
-def _cudart() -> Any:
-    """torch's binding of the CUDA runtime (page-locking host memory that a transport allocated)."""
-    return torch.cuda.cudart()  # type: ignore[no-untyped-call]
-
-
 def export_pool(agent: BaseAgent) -> dict[str, bytes]:
     """Register the engine's KV pool with the agent's transport (both sides) and, where the backend can export
     caller memory, publish it for the direct path (prefill writes page to page into decode's pool).
@@ -209,7 +202,6 @@ class BaseAgent(ABC):
         self._started = False
         self.transport: DataTransport
         self.pool_region: LocalRegion | None = None
-        self._pinned: list[int] = []
         self.endpoint: DecodeEndpoint | PrefillEndpoint
         self.copier: Copier
         self.channel: ControlChannel[Envelope]
@@ -276,8 +268,6 @@ class BaseAgent(ABC):
             client.close()
         self.resolver.close()
         self.channel.close()
-        for address in self._pinned:
-            _cudart().cudaHostUnregister(address)
         self.transport.close()
 
     def __enter__(self) -> BaseAgent:
@@ -327,19 +317,9 @@ class BaseAgent(ABC):
         return self._snapshot.quiescent
 
     def _host_region(self, nbytes: int) -> LocalRegion:
-        """Transport memory for staging (prefill) or the ring (decode). When the pool is on a GPU it is also
-        page-locked, so the copies between it and the pool run at DMA speed; where that fails it is logged and
-        the copies go through CUDA's pageable path, slower but correct."""
-        region = self.transport.allocate(nbytes)
-        if self.pool.device.type == "cuda" and not self.transport.pins_for_cuda:
-            address = region.tensor.data_ptr()
-            error = _cudart().cudaHostRegister(address, nbytes, 0)
-            if int(error) == 0:
-                self._pinned.append(address)
-            else:
-                log.warning("%s: cannot page-lock %d bytes of host staging (CUDA error %s); copies will be slower",
-                            self.peer_id, nbytes, error)  # fmt: skip
-        return region
+        """Transport memory for staging (prefill) or the ring (decode). When the pool is on a GPU it is asked for
+        page-locked, so the copies between it and the pool run at DMA speed (see `DataTransport.allocate`)."""
+        return self.transport.allocate(nbytes, pinned=self.pool.device.type == "cuda")
 
     # ---- subclass hooks ----------------------------------------------------------------------------------
 

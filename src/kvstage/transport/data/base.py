@@ -196,7 +196,8 @@ class DataTransport(ABC):
 
     Hooks run with the transport's lock held, and must not block for long:
     - `_register(tensor, region_id)`: make `tensor` usable as a source or target (pin, register with the NIC);
-    - `_allocate(nbytes, region_id) -> tensor`: memory a peer can write into (default: a fresh tensor);
+    - `_allocate(nbytes, region_id, pinned) -> tensor`: memory a peer can write into (default: a fresh tensor,
+      page-locked for CUDA when `pinned`);
     - `_unregister(region)`, `_export_payload(region) -> bytes`, `_import(desc, key)`, `_forget(remote)`;
     - `_submit(transfer_id, src, dst, slices) -> str`: start the writes; return "" or a failure reason;
     - `_progress() -> list[Completion]`: completions of submitted transfers since the last call;
@@ -204,8 +205,8 @@ class DataTransport(ABC):
     """
 
     backend: ClassVar[str]
-    #: Whether registering host memory with the backend already page-locks it for CUDA, so that callers must not
-    #: page-lock it a second time (CUDA refuses that, and the refusal surfaces in the next CUDA call).
+    #: Whether registering host memory with the backend already page-locks it for CUDA; `allocate(pinned=True)`
+    #: then leaves page-locking to the backend (CUDA refuses to page-lock the same memory twice).
     pins_for_cuda: ClassVar[bool] = False
 
     def __init__(self, config: TransportConfig) -> None:
@@ -222,14 +223,18 @@ class DataTransport(ABC):
         self._wake: Callable[[], None] | None = None
 
     # ---- memory -------------------------------------------------------------------------------------------
-    def allocate(self, nbytes: int) -> LocalRegion:
-        """Allocate and register `nbytes` of zeroed memory that peers can write into (ring, KV pool)."""
+    def allocate(self, nbytes: int, pinned: bool = False) -> LocalRegion:
+        """Allocate and register `nbytes` of zeroed memory that peers can write into (ring, staging).
+
+        `pinned` asks for memory page-locked for CUDA, for copies to and from a GPU at DMA speed. Backends that
+        cannot (local: shared-memory files) or that page-lock registered memory themselves (`pins_for_cuda`)
+        ignore it."""
         if nbytes <= 0:
             raise ValueError(f"allocate needs a positive size, got {nbytes}")
         with self._lock:
             self._check_open()
             region_id = next(self._ids)
-            region = LocalRegion(region_id, self._allocate(nbytes, region_id))
+            region = LocalRegion(region_id, self._allocate(nbytes, region_id, pinned))
             self._regions[region_id] = region
             return region
 
@@ -391,8 +396,8 @@ class DataTransport(ABC):
         return ""
 
     # ---- backend hooks -------------------------------------------------------------------------------------
-    def _allocate(self, nbytes: int, region_id: int) -> torch.Tensor:
-        tensor = torch.zeros(nbytes, dtype=torch.uint8)
+    def _allocate(self, nbytes: int, region_id: int, pinned: bool) -> torch.Tensor:
+        tensor = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=pinned and not self.pins_for_cuda)
         self._register(LocalRegion(region_id, tensor))
         return tensor
 

@@ -94,7 +94,7 @@ class LocalTransport(DataTransport):
         self._copier: JobRunner[_Job] = JobRunner(f"kvstage-local-{config.name}", _run_job, notify=self._completed)
 
     # ---- memory -------------------------------------------------------------------------------------------
-    def _allocate(self, nbytes: int, region_id: int) -> torch.Tensor:
+    def _allocate(self, nbytes: int, region_id: int, pinned: bool) -> torch.Tensor:  # shared memory: never pinned
         path = self._dir / f"kvstage-{os.getpid()}-{self._tag}-{region_id}"
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
