@@ -73,7 +73,10 @@ def byte_view(pool: KVPool) -> torch.Tensor:
 
 
 def copy_threads(config: BenchConfig) -> int:
-    """torch threads per rank process: its share of the host's cores (host-memory gathers and scatters use them)."""
+    """torch threads per rank process: with host pools, its share of the host's cores (gathers and scatters run on
+    them); with GPU pools one, since the copies run on the GPU and its copy engines."""
+    if config.device != "cpu":
+        return 1
     return max(1, (os.cpu_count() or 1) // (config.prefill_tp + config.decode_tp))
 
 
