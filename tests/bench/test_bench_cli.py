@@ -13,6 +13,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import torch
+
 from kvstage.layout import plan_head_transfers
 
 CLI = [sys.executable, "-c", "from kvstage.cli import main; main()", "bench"]
@@ -53,6 +56,9 @@ def test_bench_json_line_reports_three_verified_paths_with_the_expected_operatio
     assert result["ops_slice"] == result["slice_descriptors"] * PAGE
     assert result["bytes_per_request"] == TOKENS * 2 * LAYERS * HEADS * 64 * 2
     assert len(result["verified"]) == 3, result["verified"]
+    stages = result["staged_stages_s"]  # the best staged round, and each stage's busiest rank within it
+    assert set(stages) == {"wall", "gather", "transfer", "scatter"}, stages
+    assert all(0 < stages[stage] <= stages["wall"] for stage in ("gather", "transfer", "scatter")), stages
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "staged (agents)" in proc.stdout and "staged/raw" in proc.stdout
 
@@ -61,3 +67,16 @@ def test_bench_rejects_an_unknown_model_naming_the_flag() -> None:
     proc = _run("--model", "gpt-17", timeout=60)
     assert proc.returncode == 2
     assert "--model 'gpt-17'" in proc.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+def test_bench_on_cuda_without_a_gpu_says_so_before_starting_any_rank() -> None:
+    proc = _run("--model", "tiny", "--tokens", "64", "--chunk-tokens", "64", "--device", "cuda", timeout=60)
+    assert proc.returncode == 1
+    assert "--device cuda needs a CUDA GPU" in proc.stderr
+
+
+def test_bench_rejects_an_unknown_device_naming_the_flag() -> None:
+    proc = _run("--device", "tpu", timeout=60)
+    assert proc.returncode == 2
+    assert "--device 'tpu'" in proc.stderr
