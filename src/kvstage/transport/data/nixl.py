@@ -20,6 +20,9 @@ libnl-route and the process dies with SIGSEGV in libnl-route's destructor at exi
 process therefore sets `UCX_MODULES=^ib` (inherited by child processes) before UCX loads: UCX then uses its
 TCP, shared-memory and CMA transports, which is all a CPU loopback or TCP network can use anyway.
 
+Logging. NIXL's Python package logs at INFO to standard output (a line per agent and backend), which would mix
+with the caller's output; unless `NIXL_LOG_LEVEL` is set, kvstage lowers its "nixl" logger to WARNING.
+
 Progress thread. `nixl_agent` (1.5.1) starts its progress thread with a delay of 0 between polls, so every
 agent spins a core even when idle; on a small CPU machine that starves the copies and the peers it serves
 (measured: 2-4x lower loopback throughput on 2 cores). The agent is therefore built with the delay from
@@ -107,6 +110,8 @@ def load_nixl() -> _Nixl:
         raise TransportUnavailable(
             f"the nixl backend needs NIXL: pip install 'kvstage[nixl]' (nixl-cu12==1.5.1); import failed: {err}"
         ) from err
+    if "NIXL_LOG_LEVEL" not in os.environ:  # NIXL logs every agent's start at INFO, to stdout
+        logging.getLogger("nixl").setLevel(logging.WARNING)
     errors = tuple(
         value
         for name, value in vars(_bindings).items()
