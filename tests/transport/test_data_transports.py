@@ -80,6 +80,14 @@ def test_every_completion_wakes_the_owner_so_it_need_not_poll(peer: ReaderPeer, 
     assert done[landed].ok and not done[refused].ok
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_pinned_allocation_is_a_hint_that_still_gives_zeroed_memory(backend: str) -> None:
+    with create_transport(config(backend)) as transport:
+        region = transport.allocate(4096, pinned=True)
+        assert region.nbytes == 4096 and not region.tensor.any()
+        assert region.tensor.is_pinned() == (torch.cuda.is_available() and backend == "mooncake")
+
+
 def test_write_outside_the_remote_region_fails_with_a_reason_and_moves_no_byte(
     peer: ReaderPeer, writer: DataTransport
 ) -> None:

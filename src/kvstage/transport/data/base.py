@@ -226,9 +226,9 @@ class DataTransport(ABC):
     def allocate(self, nbytes: int, pinned: bool = False) -> LocalRegion:
         """Allocate and register `nbytes` of zeroed memory that peers can write into (ring, staging).
 
-        `pinned` asks for memory page-locked for CUDA, for copies to and from a GPU at DMA speed. Backends that
-        cannot (local: shared-memory files) or that page-lock registered memory themselves (`pins_for_cuda`)
-        ignore it."""
+        `pinned` asks for memory page-locked for CUDA, for copies to and from a GPU at DMA speed. It is a hint:
+        ignored without CUDA, and by backends that cannot (local: shared-memory files) or that page-lock
+        registered memory themselves (`pins_for_cuda`)."""
         if nbytes <= 0:
             raise ValueError(f"allocate needs a positive size, got {nbytes}")
         with self._lock:
@@ -397,7 +397,8 @@ class DataTransport(ABC):
 
     # ---- backend hooks -------------------------------------------------------------------------------------
     def _allocate(self, nbytes: int, region_id: int, pinned: bool) -> torch.Tensor:
-        tensor = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=pinned and not self.pins_for_cuda)
+        pin = pinned and not self.pins_for_cuda and torch.cuda.is_available()
+        tensor = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=pin)
         self._register(LocalRegion(region_id, tensor))
         return tensor
 
