@@ -222,8 +222,11 @@ def test_compatible_instance_connects_and_returns_its_peer_ids(make_cluster):
     assert cluster.decode[1].connect("P", 4, timeout_s=5) == cluster.prefill_peers
 
 
-def test_failed_bulk_write_fails_the_room_with_a_reason_and_the_agents_keep_serving(make_cluster):
-    cluster = make_cluster(2, 1)
+@pytest.mark.parametrize("writes_per_peer", [1, 2])
+def test_failed_bulk_write_fails_the_room_with_a_reason_and_the_agents_keep_serving(make_cluster, writes_per_peer):
+    """With a window of 1, the room's second write waits behind the first; it still goes out, fails and is
+    confirmed, so the ring is released and nothing stays queued."""
+    cluster = make_cluster(2, 1, writes_per_peer=writes_per_peer)
     decode = cluster.decode[0]
     decode.transport.unregister(decode.ring_region)  # the ring's memory is gone: every write into it fails
     _run_room(cluster, 4, 16)
@@ -236,6 +239,7 @@ def test_failed_bulk_write_fails_the_room_with_a_reason_and_the_agents_keep_serv
     assert decode.wait_quiescent(5) and decode.snapshot().ring_live_bytes == 0
     for agent in cluster.prefill:
         assert agent._thread.is_alive()
+        assert agent.wait_quiescent(5) and agent.snapshot().writes_waiting == 0
 
 
 def test_matched_tp_room_on_a_backend_without_exportable_pools_fails_explicitly(make_cluster):

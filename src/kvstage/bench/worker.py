@@ -77,7 +77,8 @@ def copy_threads(config: BenchConfig) -> int:
     them); with GPU pools one, since the copies run on the GPU and its copy engines."""
     if config.device != "cpu":
         return 1
-    return max(1, (os.cpu_count() or 1) // (config.prefill_tp + config.decode_tp))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cores // (config.prefill_tp + config.decode_tp))
 
 
 def pool_device(config: BenchConfig, rank: int) -> str:
