@@ -1,16 +1,17 @@
 """One TP rank of a `kvstage bench` run, in its own process: the engine side of a prefill or a decode rank.
 
-Owns, per rank: the KV pool (every page held by the "engine" for the whole run; each request slot uses a seeded
-random permutation of pages, so copies are scattered as in a real pool), the rank's runtime agent (the staged
+Owns, per rank: the KV pool (on the CPU, or on a GPU with `--device cuda`; every page held by the "engine" for
+the whole run; each request slot uses a seeded random permutation of pages, so copies are scattered as in a real
+pool), the rank's runtime agent (the staged
 path), and what the two baselines need:
 
 - decode: `target`, a region laid out exactly like its KV pool, allocated from the agent's transport, which the
   per-slice writes and the raw bulk writes land in (byte offsets from `PoolGeometry`, so a slice lands where it
   would in a real pool);
-- prefill: a second transport of the same backend (the agent polls its own) with the KV pool registered as a
-  source; per request slot, the per-slice descriptors of every head transfer it owns (`plan_direct_slices`,
-  one contiguous write per row where a slice is strided, because no backend writes strided), and one raw bulk
-  write per (this rank, decode rank) pair.
+- prefill: a second transport of the same backend (the agent polls its own) with the KV pool (a host copy of a
+  GPU pool) registered as a source; per request slot, the per-slice descriptors of every head transfer it owns
+  (`plan_direct_slices`, one contiguous write per row where a slice is strided, because no backend writes
+  strided), and one raw bulk write per (this rank, decode rank) pair.
 
 The parent (`kvstage.bench.runner`) drives it with commands over a private pipe; each reply carries the
 `time.monotonic()` stamps (CLOCK_MONOTONIC, shared by every process of the host) the parent turns into

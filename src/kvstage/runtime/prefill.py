@@ -1,15 +1,16 @@
 """`PrefillAgent`: the prefill rank's agent. It gathers granted chunks and writes them to decode peers.
 
-Owns: the local source staging buffer (allocated from the data transport, managed by a `StagingRing`), the
-imported rings and pools of decode peers keyed by the decode session that published them, and the writes in
-flight. Staged path: gather the chunk's heads into a staging slot on the copy thread, then one bulk write into
-the decode ring. Direct path (matched TP): one write per contiguous run of each (layer, K/V, page) slice,
-straight into the decode pool.
+Owns: the local source staging buffer (allocated from the data transport, managed by a `StagingRing`), the imported
+rings and pools of decode peers keyed by the decode session that published them, and the writes in flight, at most
+`AgentConfig.writes_per_peer` per decode peer (the rest wait in order). Staged path: gather the chunk's heads into a
+staging slot on the copy thread, then one bulk write into the decode ring. Direct path (matched TP): one write per
+contiguous run of each (layer, K/V, page) slice, straight into the decode pool.
 
 Invariants: a gather starts only once its staging slot no longer overlaps a write still in flight; a write goes
 only into memory of the decode session that granted it (`dst_session`), never into the ring or pool of a
 restarted incarnation (a grant from a newer session waits, bounded by the liveness timeout, for that session's
-record); every write ends in exactly one Completion. Called by prefill engines through `kvstage.runtime`.
+record); every write ends in exactly one Completion, queued ones included (a completion frees its peer's window
+for the next). Called by prefill engines through `kvstage.runtime`.
 """
 
 from __future__ import annotations
