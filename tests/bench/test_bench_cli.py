@@ -80,3 +80,15 @@ def test_bench_rejects_an_unknown_device_naming_the_flag() -> None:
     proc = _run("--device", "tpu", timeout=60)
     assert proc.returncode == 2
     assert "--device 'tpu'" in proc.stderr
+
+
+def test_gpu_placement_gives_each_instance_gpus_of_its_own_where_the_host_has_enough(monkeypatch) -> None:
+    from kvstage.bench import BenchConfig
+    from kvstage.bench.worker import DECODE, PREFILL, pool_device
+
+    config = BenchConfig("local", "tiny", 2, 1, 16, 64, 64, device="cuda")
+    for gpus, prefill, decode in ((8, ["cuda:0", "cuda:1"], ["cuda:2"]), (2, ["cuda:0", "cuda:1"], ["cuda:0"])):
+        monkeypatch.setattr(torch.cuda, "device_count", lambda gpus=gpus: gpus)
+        assert [pool_device(config, PREFILL, r) for r in range(2)] == prefill
+        assert [pool_device(config, DECODE, 0)] == decode
+    assert pool_device(BenchConfig("local", "tiny", 2, 1, 16, 64, 64), DECODE, 0) == "cpu"

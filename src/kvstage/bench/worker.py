@@ -82,9 +82,13 @@ def copy_threads(config: BenchConfig) -> int:
     return max(1, cores // (config.prefill_tp + config.decode_tp))
 
 
-def pool_device(config: BenchConfig, rank: int) -> str:
-    """The rank's pool device: "cpu", or one GPU per rank round robin over the GPUs this host has."""
-    return "cpu" if config.device == "cpu" else f"cuda:{rank % torch.cuda.device_count()}"
+def pool_device(config: BenchConfig, role: str, rank: int) -> str:
+    """The rank's pool device: "cpu", or a GPU: prefill ranks first, then decode ranks, round robin over the host's
+    GPUs, so the two instances get GPUs of their own where the host has enough."""
+    if config.device == "cpu":
+        return "cpu"
+    slot = rank if role == PREFILL else config.prefill_tp + rank
+    return f"cuda:{slot % torch.cuda.device_count()}"
 
 
 def slot_pages(config: BenchConfig, role: str, rank: int) -> list[list[int]]:
@@ -148,7 +152,8 @@ class _Rank:
         self.rank = rank
         self.tp = config.prefill_tp if self.role == PREFILL else config.decode_tp
         self.heads = heads_of_rank(config.layout.num_kv_heads, self.tp, rank)
-        self.pool = KVPool.for_rank(config.layout, self.tp, rank, config.pool_pages, pool_device(config, rank))
+        device = pool_device(config, self.role, rank)
+        self.pool = KVPool.for_rank(config.layout, self.tp, rank, config.pool_pages, device)
         self.pool.allocator.allocate(config.pool_pages, owner="engine")
         self.pages = slot_pages(config, self.role, rank)
         self.bootstrap = bootstrap
