@@ -9,7 +9,9 @@ direct path on the backends that can export engine memory (mooncake, nixl), chec
 
 The crash test kills one prefill rank with SIGKILL while its rooms are mid-transfer: those rooms fail on decode
 with "peer dead" within the configured liveness timeout, the ring returns to empty, and a restarted rank (a new
-session under the same peer id) serves new rooms.
+session under the same peer id) serves new rooms. Its mirror kills the decode rank instead: every writer fails
+the rooms that were mid-transfer with "peer dead", settles its writes and pages, and serves a restarted decode
+rank (whose ring only the new grants may write).
 """
 
 from __future__ import annotations
@@ -263,6 +265,60 @@ def test_killed_prefill_rank_fails_its_rooms_as_peer_dead_and_a_restarted_rank_s
         assert result["t"] - killed_at <= dead_after + 3.0, "failed within the liveness timeout (plus slack)"
         assert result["pages_returned"]
     assert crash["ring_live_bytes"] == 0 and crash["quiescent"]
+    for report in after:
+        assert all(r["ok"] for r in report["rooms"].values()), report["rooms"]
+        assert len(report["rooms"]) == 20
+    _check_bit_exact([after[0]], after[1:], 1)
+    _check_quiescent(after)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_killed_decode_rank_fails_its_rooms_as_peer_dead_on_every_writer_and_a_restarted_rank_serves_new_rooms(
+    tmp_path, backend
+):
+    dead_after = 1.5
+    cluster = Cluster(
+        tmp_path,
+        backend,
+        max_tokens=96,
+        abort_fraction=0.0,
+        timing={"heartbeat_s": 0.2, "dead_after_s": dead_after, "retry_initial_s": 0.05, "retry_max_s": 0.5},
+    )
+    phase2, held = tmp_path / "phase2", tmp_path / "p1.held"
+    try:
+        cluster.spawn("d0", "decode", 1, 0, 2, [{"first_room": 0, "rooms": 8}])
+        cluster.spawn("p0", "prefill", 2, 0, 1, [_phase(tmp_path, "p0-crash", 0, 8), _phase(tmp_path, "p0", 100, 20,
+                      wait_for=str(phase2))])  # fmt: skip
+        # p1 writes the first chunk of each room and then stalls, leaving every room mid-transfer on decode
+        hold = _phase(tmp_path, "p1-crash", 0, 8, hold_after_first_chunk=True, marker=str(held))
+        cluster.spawn("p1", "prefill", 2, 1, 1, [hold, _phase(tmp_path, "p1", 100, 20, wait_for=str(phase2))])
+        deadline = time.monotonic() + 60
+        while not held.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        old_session = next(r.session for r in cluster.bootstrap.records() if r.peer_id == "D/0")
+        killed_at = time.time()
+        cluster.kill("d0")
+        crash = cluster.wait_reports([tmp_path / "p0-crash.report", tmp_path / "p1-crash.report"], 90)
+        cluster.spawn("d0-restarted", "decode", 1, 0, 2, [_phase(tmp_path, "d0", 100, 20)])
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not any(
+            r.peer_id == "D/0" and r.session != old_session for r in cluster.bootstrap.records()
+        ):
+            time.sleep(0.05)
+        phase2.touch()
+        after = cluster.wait_reports([tmp_path / f"{n}.report" for n in ("d0", "p0", "p1")], 90)
+    finally:
+        cluster.close()
+
+    for report in crash:  # rooms of a single chunk may have finished before the kill; the rest were mid-transfer
+        assert len(report["rooms"]) == 8
+        failed = [result for result in report["rooms"].values() if not result["ok"]]
+        assert failed, "p1 held every multi-chunk room mid-transfer, so some must fail"
+        for result in failed:
+            assert result["reason"] == "peer dead", result
+            assert result["t"] - killed_at <= dead_after + 3.0, "failed within the liveness timeout (plus slack)"
+        assert report["quiescent"] and report["pages_in_use"] == 0, report
     for report in after:
         assert all(r["ok"] for r in report["rooms"].values()), report["rooms"]
         assert len(report["rooms"]) == 20
