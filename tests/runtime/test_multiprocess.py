@@ -22,6 +22,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -169,6 +170,36 @@ def _check_quiescent(reports: list[dict]) -> None:
         assert report["rejected_frames"] == 0, report
 
 
+CRASH_DEAD_AFTER_S = 1.5
+
+
+def _crash_cluster(tmp: Path, backend: str) -> Cluster:
+    """A cluster with a short liveness timeout, rooms of up to 6 chunks and no aborts, for the crash tests."""
+    timing = {"heartbeat_s": 0.2, "dead_after_s": CRASH_DEAD_AFTER_S, "retry_initial_s": 0.05, "retry_max_s": 0.5}
+    return Cluster(tmp, backend, max_tokens=96, abort_fraction=0.0, timing=timing)
+
+
+def _wait_until(done: Callable[[], bool], timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not done() and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def _session_of(cluster: Cluster, peer: str) -> int:
+    return next(r.session for r in cluster.bootstrap.records() if r.peer_id == peer)
+
+
+def _wait_for_new_session(cluster: Cluster, peer: str, old_session: int) -> None:
+    _wait_until(lambda: any(r.peer_id == peer and r.session != old_session for r in cluster.bootstrap.records()))
+
+
+def _assert_failed_as_peer_dead(failed: list[dict], killed_at: float) -> None:
+    assert failed, "every multi-chunk room was held mid-transfer, so some must fail"
+    for result in failed:
+        assert result["reason"] == "peer dead", result
+        assert result["t"] - killed_at <= CRASH_DEAD_AFTER_S + 3.0, "failed within the liveness timeout (plus slack)"
+
+
 BACKENDS = [
     pytest.param(b, marks=pytest.mark.skipif(not _backend_available(b), reason=f"{b} not installed"))
     for b in ("local", "mooncake", "nixl")
@@ -221,14 +252,7 @@ def test_matched_tp_rooms_take_the_direct_path_page_to_page_bit_exact(tmp_path, 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_killed_prefill_rank_fails_its_rooms_as_peer_dead_and_a_restarted_rank_serves_new_rooms(tmp_path, backend):
-    dead_after = 1.5
-    cluster = Cluster(
-        tmp_path,
-        backend,
-        max_tokens=96,
-        abort_fraction=0.0,
-        timing={"heartbeat_s": 0.2, "dead_after_s": dead_after, "retry_initial_s": 0.05, "retry_max_s": 0.5},
-    )
+    cluster = _crash_cluster(tmp_path, backend)
     phase2, held = tmp_path / "phase2", tmp_path / "p1.held"
     try:
         for name, rank in (("d0", None), ("p0", 0)):
@@ -240,30 +264,21 @@ def test_killed_prefill_rank_fails_its_rooms_as_peer_dead_and_a_restarted_rank_s
         # p1 writes the first chunk of each room and then stalls, leaving every room mid-transfer
         hold = {"first_room": 0, "rooms": 8, "hold_after_first_chunk": True, "marker": str(held)}
         cluster.spawn("p1", "prefill", 2, 1, 1, [hold])
-        deadline = time.monotonic() + 60
-        while not held.exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        old_session = next(r.session for r in cluster.bootstrap.records() if r.peer_id == "P/1")
+        _wait_until(held.exists)
+        old_session = _session_of(cluster, "P/1")
         killed_at = time.time()
         cluster.kill("p1")
         crash = cluster.wait_reports([tmp_path / "d0-crash.report", tmp_path / "p0-crash.report"], 60)[0]
         cluster.spawn("p1-restarted", "prefill", 2, 1, 1, [_phase(tmp_path, "p1", 100, 20)])
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and not any(
-            r.peer_id == "P/1" and r.session != old_session for r in cluster.bootstrap.records()
-        ):
-            time.sleep(0.05)
+        _wait_for_new_session(cluster, "P/1", old_session)
         phase2.touch()
         after = cluster.wait_reports([tmp_path / f"{n}.report" for n in ("d0", "p0", "p1")], 90)
     finally:
         cluster.close()
 
-    failed = {room: r for room, r in crash["rooms"].items() if not r["ok"]}
-    assert failed, "p1 held every room mid-transfer, so some must fail"
-    for result in failed.values():
-        assert result["reason"] == "peer dead", result
-        assert result["t"] - killed_at <= dead_after + 3.0, "failed within the liveness timeout (plus slack)"
-        assert result["pages_returned"]
+    failed = [result for result in crash["rooms"].values() if not result["ok"]]
+    _assert_failed_as_peer_dead(failed, killed_at)
+    assert all(result["pages_returned"] for result in failed)
     assert crash["ring_live_bytes"] == 0 and crash["quiescent"]
     for report in after:
         assert all(r["ok"] for r in report["rooms"].values()), report["rooms"]
@@ -277,14 +292,7 @@ def test_killed_prefill_rank_fails_its_rooms_as_peer_dead_and_a_restarted_rank_s
 def test_killed_decode_rank_fails_its_rooms_as_peer_dead_on_every_writer_and_a_restarted_rank_serves_new_rooms(
     tmp_path, backend
 ):
-    dead_after = 1.5
-    cluster = Cluster(
-        tmp_path,
-        backend,
-        max_tokens=96,
-        abort_fraction=0.0,
-        timing={"heartbeat_s": 0.2, "dead_after_s": dead_after, "retry_initial_s": 0.05, "retry_max_s": 0.5},
-    )
+    cluster = _crash_cluster(tmp_path, backend)
     phase2, held = tmp_path / "phase2", tmp_path / "p1.held"
     try:
         cluster.spawn("d0", "decode", 1, 0, 2, [{"first_room": 0, "rooms": 8}])
@@ -293,19 +301,13 @@ def test_killed_decode_rank_fails_its_rooms_as_peer_dead_on_every_writer_and_a_r
         # p1 writes the first chunk of each room and then stalls, leaving every room mid-transfer on decode
         hold = _phase(tmp_path, "p1-crash", 0, 8, hold_after_first_chunk=True, marker=str(held))
         cluster.spawn("p1", "prefill", 2, 1, 1, [hold, _phase(tmp_path, "p1", 100, 20, wait_for=str(phase2))])
-        deadline = time.monotonic() + 60
-        while not held.exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        old_session = next(r.session for r in cluster.bootstrap.records() if r.peer_id == "D/0")
+        _wait_until(held.exists)
+        old_session = _session_of(cluster, "D/0")
         killed_at = time.time()
         cluster.kill("d0")
         crash = cluster.wait_reports([tmp_path / "p0-crash.report", tmp_path / "p1-crash.report"], 90)
         cluster.spawn("d0-restarted", "decode", 1, 0, 2, [_phase(tmp_path, "d0", 100, 20)])
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and not any(
-            r.peer_id == "D/0" and r.session != old_session for r in cluster.bootstrap.records()
-        ):
-            time.sleep(0.05)
+        _wait_for_new_session(cluster, "D/0", old_session)
         phase2.touch()
         after = cluster.wait_reports([tmp_path / f"{n}.report" for n in ("d0", "p0", "p1")], 90)
     finally:
@@ -313,11 +315,7 @@ def test_killed_decode_rank_fails_its_rooms_as_peer_dead_on_every_writer_and_a_r
 
     for report in crash:  # rooms of a single chunk may have finished before the kill; the rest were mid-transfer
         assert len(report["rooms"]) == 8
-        failed = [result for result in report["rooms"].values() if not result["ok"]]
-        assert failed, "p1 held every multi-chunk room mid-transfer, so some must fail"
-        for result in failed:
-            assert result["reason"] == "peer dead", result
-            assert result["t"] - killed_at <= dead_after + 3.0, "failed within the liveness timeout (plus slack)"
+        _assert_failed_as_peer_dead([result for result in report["rooms"].values() if not result["ok"]], killed_at)
         assert report["quiescent"] and report["pages_in_use"] == 0, report
     for report in after:
         assert all(r["ok"] for r in report["rooms"].values()), report["rooms"]

@@ -80,8 +80,10 @@ class BenchConfig:
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
             raise ConfigError(f"--backend {self.backend!r} is unknown; choose one of {', '.join(BACKENDS)}")
-        positive = ("prefill_tp", "decode_tp", "tokens", "concurrency", "repeats", "batch_slices", "ring_chunks")
-        for name in (*positive, "writes_per_peer"):
+        for name in (
+            "prefill_tp", "decode_tp", "tokens", "concurrency", "repeats", "batch_slices", "ring_chunks",
+            "writes_per_peer",
+        ):  # fmt: skip
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")

@@ -227,7 +227,7 @@ class _Cluster:
         return max(t.end for t in ends) - min(t.start for t in timed), sum(t.ops for t in timed), stages
 
     def baseline(self, command: str) -> tuple[float, int, dict[str, float]]:
-        """(wall seconds, transfer ops) of one round of the per-slice ("slice") or raw bulk ("raw") path."""
+        """(wall seconds, transfer ops, no stages) of one round of the per-slice ("slice") or raw bulk ("raw") path."""
         slots = list(range(self.config.concurrency))
         start_at = time.monotonic() + START_DELAY_S
         for rank in self.prefill:

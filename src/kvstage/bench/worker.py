@@ -2,8 +2,7 @@
 
 Owns, per rank: the KV pool (on the CPU, or on a GPU with `--device cuda`; every page held by the "engine" for
 the whole run; each request slot uses a seeded random permutation of pages, so copies are scattered as in a real
-pool), the rank's runtime agent (the staged
-path), and what the two baselines need:
+pool), the rank's runtime agent (the staged path), and what the two baselines need:
 
 - decode: `target`, a region laid out exactly like its KV pool, allocated from the agent's transport, which the
   per-slice writes and the raw bulk writes land in (byte offsets from `PoolGeometry`, so a slice lands where it
@@ -266,7 +265,7 @@ class PrefillRank(_Rank):
         self.baseline: DataTransport = create_transport(TransportConfig(backend=config.backend))
         self.digests = [self._fill(slot) for slot in range(config.concurrency)]
         # the baselines move host memory: the pool itself, or a host copy of a GPU pool (same bytes, same offsets)
-        self.host_pool = self.pool.flat if self.pool.device.type == "cpu" else self.pool.flat.cpu()
+        self.host_pool = self.pool.flat.cpu()
         self.source = self.baseline.register(self.host_pool)
         self.transfers = [
             t

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, cast
 
 from kvstage.dataplane import KVPool, PoolGeometry, SliceCopy, gather, plan_direct_slices
@@ -57,16 +57,17 @@ NO_POOL = "the decode peer exported no KV pool for the direct path (the local ba
 
 @dataclass(slots=True)
 class _Write:
-    """One write: staged (a slot of the local staging buffer) or direct (slices of the KV pool). `runs` and
-    `source` are set once it is ready to go (gathered, or planned)."""
+    """One write in flight: staged (a slot of the local staging buffer) or direct (slices of the KV pool)."""
 
     action: WriteRegion | WriteDirect
     remote: RemoteRegion
     nbytes: int
     slot: Allocation | None = None
     started: float = 0.0
-    runs: list[tuple[int, int, int]] = field(default_factory=list)
-    source: LocalRegion | None = None
+
+
+#: A write ready to go and waiting for its peer's window: the write, its (src, dst, length) runs, its source.
+_Ready = tuple[_Write, list[tuple[int, int, int]], LocalRegion]
 
 
 class PrefillAgent(BaseAgent):
@@ -89,8 +90,7 @@ class PrefillAgent(BaseAgent):
         self._in_flight: dict[int, _Write] = {}
         self._gathering: dict[int, _Write] = {}  # action token -> staged write whose gather is running
         self._unresolved: list[tuple[float, WriteRegion | WriteDirect]] = []  # waiting for a newer decode record
-        self._window: dict[str, int] = {}  # decode peer -> writes in flight to it
-        self._queued: dict[str, deque[_Write]] = {}  # decode peer -> ready writes waiting for its window
+        self._queued: dict[str, deque[_Ready]] = {}  # decode peer -> ready writes waiting for its window
         self.staging_region: LocalRegion
 
     # ---- engine-facing -----------------------------------------------------------------------------------
@@ -281,31 +281,25 @@ class PrefillAgent(BaseAgent):
         The window (`AgentConfig.writes_per_peer`) keeps the link busy while chunks still land one after another,
         so decode scatters chunk k while chunk k+1 is on the wire; with every write in flight at once they would
         share the link and all land at the end, leaving every scatter after the last byte."""
-        write.runs, write.source = runs, source
         peer = write.action.peer
-        if self._window.get(peer, 0) < self.config.writes_per_peer:
-            self._submit(write)
+        if self._in_flight_to(peer) < self.config.writes_per_peer:
+            self._submit(write, runs, source)
         else:
-            self._queued.setdefault(peer, deque()).append(write)
+            self._queued.setdefault(peer, deque()).append((write, runs, source))
 
-    def _submit(self, write: _Write) -> None:
-        assert write.source is not None
-        peer = write.action.peer
-        self._window[peer] = self._window.get(peer, 0) + 1
+    def _in_flight_to(self, peer: str) -> int:
+        return sum(1 for write in self._in_flight.values() if write.action.peer == peer)
+
+    def _submit(self, write: _Write, runs: list[tuple[int, int, int]], source: LocalRegion) -> None:
         write.started = time.perf_counter()
         self.metrics.transfer_started()
-        self._in_flight[self.transport.write_batch(write.source, write.remote, write.runs)] = write
+        self._in_flight[self.transport.write_batch(source, write.remote, runs)] = write
 
-    def _window_freed(self, peer: str) -> None:
-        """One write to `peer` ended: submit its next queued write, if any."""
-        left = self._window[peer] - 1
-        if left:
-            self._window[peer] = left
-        else:
-            del self._window[peer]
+    def _submit_queued(self, peer: str) -> None:
+        """A write to `peer` ended (and left `_in_flight`): submit its next queued write, if any."""
         queued = self._queued.get(peer)
         if queued:
-            self._submit(queued.popleft())
+            self._submit(*queued.popleft())
             if not queued:
                 del self._queued[peer]
 
@@ -318,7 +312,7 @@ class PrefillAgent(BaseAgent):
                 continue
             if write.slot is not None:
                 self._slab.free(write.slot)
-            self._window_freed(write.action.peer)
+            self._submit_queued(write.action.peer)
             self.metrics.transfer_finished(write.nbytes, time.perf_counter() - write.started, done.ops, done.ok)
             self._complete(write.action.token, done.ok, "" if done.ok else f"transfer failed: {done.reason}")
 
