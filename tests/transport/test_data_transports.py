@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from kvstage.errors import ProtocolError, TransportError, TransportUnavailable
+from kvstage.errors import ConfigError, ProtocolError, TransportError, TransportUnavailable
 from kvstage.transport.data import (
     RegionDescriptor,
     TransportConfig,
@@ -204,3 +204,30 @@ def test_memory_registered_by_address_is_a_write_source(peer: ReaderPeer, writer
     assert wait_for(writer, [transfer], timeout_s=30)[transfer].ok
     assert peer.read(4096, 8192) == bytes(foreign)
     writer.unregister(source)
+
+
+@pytest.mark.parametrize("workers", [1, 4])
+def test_nixl_writes_in_flight_from_several_threads_land_bit_exact_with_one_or_several_ucx_workers(
+    workers: int,
+) -> None:
+    """One UCX worker runs NIXL in STRICT mode (every call serialised); several run it in RW mode, where writes
+    posted from the transport's worker threads copy at the same time. Both must land every byte."""
+    pytest.importorskip("nixl_cu12")
+
+    def cfg() -> TransportConfig:  # a fresh agent name for each side
+        return TransportConfig(backend="nixl", write_timeout_s=20.0, nixl_workers=workers)
+
+    with ReaderPeer(cfg(), REGION) as reader, create_transport(cfg()) as transport:
+        source = transport.register(random_bytes(REGION, seed=workers))
+        remote = transport.import_remote(reader.descriptor)
+        piece = REGION // 32
+        ids = [transport.write(source, i * piece, remote, REGION - (i + 1) * piece, piece) for i in range(32)]
+        done = wait_for(transport, ids, timeout_s=30)
+        assert all(c.ok for c in done.values()), [c.reason for c in done.values() if not c.ok]
+        expected = torch.cat([source.tensor[i * piece : (i + 1) * piece] for i in reversed(range(32))])
+        assert reader.digest(0, REGION) == digest(expected)
+
+
+def test_nixl_workers_below_one_is_refused_naming_the_field() -> None:
+    with pytest.raises(ConfigError, match="nixl_workers must be at least 1, got 0"):
+        TransportConfig(backend="nixl", nixl_workers=0)

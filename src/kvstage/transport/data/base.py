@@ -73,8 +73,8 @@ class TransportConfig:
     `host` is the address peers use to reach this agent (mooncake, nixl). The `mooncake_*` fields select
     Mooncake's transport ("tcp" by default, "rdma" with `mooncake_device`, e.g. "mlx5_0") and metadata service
     ("P2PHANDSHAKE": no central service). `nixl_backend` names the NIXL backend plugin; `nixl_rdma=False` keeps
-    UCX off its InfiniBand modules and `nixl_progress_delay_us` paces NIXL's progress thread (see
-    `kvstage.transport.data.nixl`). `shm_dir` is where the
+    UCX off its InfiniBand modules, `nixl_progress_delay_us` paces NIXL's progress thread and `nixl_workers` is the
+    number of UCX workers, i.e. of writes that copy at once (see `kvstage.transport.data.nixl`). `shm_dir` is where the
     local backend puts its shared-memory segments. `write_timeout_s` bounds a NIXL write that makes no
     progress (Mooncake applies its own engine timeout, `MC_TRANSFER_TIMEOUT`, 30 s by default).
     """
@@ -88,6 +88,7 @@ class TransportConfig:
     nixl_backend: str = "UCX"
     nixl_rdma: bool = False
     nixl_progress_delay_us: int = 100
+    nixl_workers: int = 4
     shm_dir: str = "/dev/shm"
     write_timeout_s: float = 60.0
 
@@ -100,6 +101,8 @@ class TransportConfig:
             raise ConfigError(f"mooncake_protocol must be 'tcp' or 'rdma', got {self.mooncake_protocol!r}")
         if self.nixl_progress_delay_us < 0:
             raise ConfigError(f"nixl_progress_delay_us must be >= 0, got {self.nixl_progress_delay_us}")
+        if self.nixl_workers < 1:
+            raise ConfigError(f"nixl_workers must be at least 1, got {self.nixl_workers}")
         if self.write_timeout_s <= 0:
             raise ConfigError(f"write_timeout_s must be positive, got {self.write_timeout_s}")
 

@@ -8,8 +8,15 @@ lists the region) and the region's base address; importing loads that metadata i
 local and remote transfer descriptor lists (one row per slice), creates a WRITE request and posts it. UCX
 carries out a same-host write inside the posting call itself (measured: `transfer()` of 64 MiB returns after
 15-30 ms, with the bytes copied), so writes are posted and waited for on `_WORKERS` worker threads, never on the
-caller's thread, and `poll` only collects their completions. The agent runs in NIXL's STRICT thread-sync mode, so
-the workers and the caller (register, import) may use it at once.
+caller's thread, and `poll` only collects their completions.
+
+Parallel copies. NIXL's UCX backend drives one UCX worker by default, and its STRICT thread-sync mode holds one
+lock around every call, so a process's writes copied one at a time: about 5 GB/s per process on an H200 host,
+whatever the number of writes in flight. The agent is therefore built with `TransportConfig.nixl_workers` UCX
+workers (4 by default) and, with more than one, in RW mode: data-path calls (post, status, release) run in
+parallel on the worker threads while metadata calls (register, load a peer) stay exclusive. Measured on that
+host, one process, 16 MiB writes from 4 threads: 18.3 GB/s with 4 workers in RW mode, 4.8-5.2 GB/s with 1 worker
+or in STRICT mode.
 Remote descriptor lists are built here from plain integers; we never unpickle NIXL's serialised descriptors,
 which would run code from the wire.
 
@@ -64,7 +71,8 @@ from kvstage.transport.data.workers import JobRunner
 
 log = logging.getLogger(__name__)
 
-#: Worker threads that post and wait for writes: enough for a couple of writes in flight to each of a few peers.
+#: Worker threads that post and wait for writes (at least one per UCX worker): enough for a couple of writes in
+#: flight to each of a few peers.
 _WORKERS = 4
 #: How often a worker asks NIXL whether its write is done.
 _POLL_S = 0.0001
@@ -98,7 +106,13 @@ class _Nixl:
     agent_class: Any
     config_class: Any
     strict_sync: Any
+    rw_sync: Any
     errors: tuple[type[Exception], ...]
+
+    def sync_mode(self, workers: int) -> Any:
+        """STRICT (one lock around every call) for one UCX worker; RW (data-path calls in parallel, metadata calls
+        exclusive) when there are several, so that writes posted from several threads copy at once."""
+        return self.strict_sync if workers == 1 else self.rw_sync
 
 
 def load_nixl() -> _Nixl:
@@ -117,7 +131,18 @@ def load_nixl() -> _Nixl:
         for name, value in vars(_bindings).items()
         if name.startswith("nixl") and isinstance(value, type) and issubclass(value, Exception)
     )
-    return _Nixl(nixl_agent, nixl_agent_config, nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT, errors)
+    return _Nixl(
+        nixl_agent,
+        nixl_agent_config,
+        nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
+        nixl_thread_sync_t.NIXL_THREAD_SYNC_RW,
+        errors,
+    )
+
+
+def _backend_params(config: TransportConfig) -> dict[str, str]:
+    """Init parameters of the NIXL backend plugin: UCX gets `nixl_workers` UCX workers."""
+    return {"num_workers": str(config.nixl_workers)} if config.nixl_backend == "UCX" else {}
 
 
 _AGENT_CONSTRUCTION = threading.Lock()
@@ -167,21 +192,22 @@ class NixlTransport(DataTransport):
         self._errors: tuple[type[Exception], ...] = (*nixl.errors, RuntimeError)  # RuntimeError: other C++ errors
         try:
             with _paced_progress_thread(config.nixl_progress_delay_us):
-                nixl_config = nixl.config_class(backends=[config.nixl_backend], sync_mode=nixl.strict_sync)
+                nixl_config = nixl.config_class(backends=[], sync_mode=nixl.sync_mode(config.nixl_workers))
                 self._agent = nixl.agent_class(config.name, nixl_config)
+            if config.nixl_backend not in self._agent.plugin_list:
+                raise TransportError(
+                    f"NIXL has no {config.nixl_backend!r} plugin here (available: {', '.join(self._agent.plugin_list)})"
+                )
+            self._agent.create_backend(config.nixl_backend, _backend_params(config))
         except nixl.errors as err:
             raise TransportError(
                 f"NIXL agent {config.name!r} failed to start with {config.nixl_backend}: {err}"
             ) from err
-        if config.nixl_backend not in self._agent.backends:
-            raise TransportError(
-                f"NIXL has no {config.nixl_backend!r} plugin here (available: {', '.join(self._agent.plugin_list)})"
-            )
         self._registrations: dict[int, Any] = {}
         self._peers: dict[int, int] = {}
         self._owner_refs: dict[str, int] = {}
         self._writer: JobRunner[_Write] = JobRunner(
-            f"kvstage-nixl-{config.name}", self._run, _WORKERS, notify=self._completed
+            f"kvstage-nixl-{config.name}", self._run, max(_WORKERS, config.nixl_workers), notify=self._completed
         )
 
     def _register(self, region: LocalRegion) -> None:
