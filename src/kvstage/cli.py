@@ -91,7 +91,10 @@ def bench(
         4, "--ring-chunks", min=1, help="Chunk regions per decode ring (and chunks per prefill staging slab)."
     ),
     writes_per_peer: int = typer.Option(
-        2, "--writes-per-peer", min=1, help="Prefill writes in flight per decode rank."
+        2,
+        "--writes-per-peer",
+        min=1,
+        help="Prefill writes in flight per decode rank; the raw path splits each pair's bytes into as many.",
     ),
     as_json: bool = typer.Option(False, "--json", help="Print the results as JSON on the last stdout line."),
     plot_file: str | None = typer.Option(None, "--plot", help="Write a bar chart (PNG) to this file."),

@@ -10,7 +10,8 @@ pool), the rank's runtime agent (the staged path), and what the two baselines ne
 - prefill: a second transport of the same backend (the agent polls its own) with the KV pool (a host copy of a
   GPU pool) registered as a source; per request slot, the per-slice descriptors of every head transfer it owns
   (`plan_direct_slices`, one contiguous write per row where a slice is strided, because no backend writes
-  strided), and one raw bulk write per (this rank, decode rank) pair.
+  strided), and the raw bulk writes per (this rank, decode rank) pair: its bytes as `writes_per_peer` contiguous
+  writes in flight at once, as many as the staged path keeps in flight per pair.
 
 The parent (`kvstage.bench.runner`) drives it with commands over a private pipe; each reply carries the
 `time.monotonic()` stamps (CLOCK_MONOTONIC, shared by every process of the host) the parent turns into
@@ -310,15 +311,19 @@ class PrefillRank(_Rank):
     def _decode_heads(self, t: HeadTransfer) -> range:
         return heads_of_rank(self.config.layout.num_kv_heads, self.config.decode_tp, t.decode_rank)
 
-    def _raw(self, slot: int) -> list[tuple[RemoteRegion, Slice]]:
-        """One bulk write per decode rank this rank feeds: its block's bytes, to where its block would go."""
+    def _raw(self, slot: int) -> list[tuple[int, RemoteRegion, Slice]]:
+        """(decode rank, remote, write) of the bulk writes to each decode rank this rank feeds: its block's bytes,
+        to where its block would go, as `writes_per_peer` contiguous parts in flight at once (the staged path's
+        window, so both paths keep as many writes in flight per pair)."""
         out = []
         for t in self.transfers:
             plan = plan_staging(self.config.layout, self.config.prefill_tp, self.config.decode_tp, t.decode_rank,
                                 self.config.tokens)  # fmt: skip
             block = plan.block_of(self.rank)
             src = min(slot * block.nbytes, self.pool.geometry.nbytes - block.nbytes)
-            out.append((self.remotes[t.decode_rank], (src, slot * plan.total_bytes + block.offset, block.nbytes)))
+            dst = slot * plan.total_bytes + block.offset
+            out += [(t.decode_rank, self.remotes[t.decode_rank], (src + start, dst + start, n))
+                    for start, n in split_evenly(block.nbytes, self.config.writes_per_peer)]  # fmt: skip
         return out
 
     # ---- commands ------------------------------------------------------------------------------------------
@@ -344,7 +349,9 @@ class PrefillRank(_Rank):
 
     def raw_bulk(self, slots: list[int], start_at: float) -> Timed:
         jobs = [job for s in slots for job in self.raw[s]]
-        return self._timed(start_at, lambda: [self.baseline.write(self.source, w[0], r, w[1], w[2]) for r, w in jobs])
+        return self._timed(
+            start_at, lambda: [self.baseline.write(self.source, w[0], r, w[1], w[2]) for _, r, w in jobs]
+        )
 
     def _timed(self, start_at: float, submit: Callable[[], list[int]]) -> Timed:
         ops = self.baseline.ops_issued
@@ -361,11 +368,17 @@ class PrefillRank(_Rank):
             "digests": self.digests,
             "slice_descriptors": [sum(n for _, _, n in per_slot) for per_slot in self.slices],
             "raw": [
-                [(t.decode_rank, w[1], w[2], sha(self.host_pool[w[0] : w[0] + w[2]])) for t, (_, w) in
-                 zip(self.transfers, self.raw[slot], strict=True)]
+                [(decode_rank, w[1], w[2], sha(self.host_pool[w[0] : w[0] + w[2]])) for decode_rank, _, w in
+                 self.raw[slot]]
                 for slot in range(self.config.concurrency)
             ],
         }  # fmt: skip
+
+
+def split_evenly(nbytes: int, parts: int) -> list[tuple[int, int]]:
+    """(start, length) of `parts` consecutive pieces of `nbytes` bytes, as equal as 64-byte alignment allows."""
+    step = -(-nbytes // parts // 64) * 64
+    return [(start, min(step, nbytes - start)) for start in range(0, nbytes, step)]
 
 
 def _contiguous_writes(copy: SliceCopy) -> list[Slice]:
