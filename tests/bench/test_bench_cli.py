@@ -9,6 +9,7 @@ the bytes were verified on both sides; the plot is written. Sizes are tiny so th
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -35,7 +36,7 @@ def test_bench_json_line_reports_three_verified_paths_with_the_expected_operatio
     proc = _run(
         "--backend", "local", "--model", "tiny", "--prefill-tp", str(PREFILL_TP), "--decode-tp", str(DECODE_TP),
         "--tokens", str(TOKENS), "--page-size", str(PAGE), "--chunk-tokens", str(CHUNK), "--concurrency", "2",
-        "--writes-per-peer", str(WINDOW), "--repeats", "1", "--json", "--plot", str(plot),
+        "--writes-per-peer", str(WINDOW), "--repeats", "2", "--json", "--plot", str(plot),
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -46,6 +47,8 @@ def test_bench_json_line_reports_three_verified_paths_with_the_expected_operatio
         assert 0 < result[key] < 1000, (key, result[key])
     assert result["staged_over_raw"] == result["staged_gbps"] / result["raw_gbps"]
     assert result["staged_over_slice"] == result["staged_gbps"] / result["slice_gbps"]
+    rounds = zip(result["seconds"]["staged"], result["seconds"]["raw"], strict=True)
+    assert result["staged_over_raw_paired"] == statistics.median(raw / staged for staged, raw in rounds)
 
     writers = len(plan_head_transfers(HEADS, PREFILL_TP, DECODE_TP))  # (prefill, decode) pairs with a block
     pages = TOKENS // PAGE

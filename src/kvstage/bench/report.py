@@ -63,7 +63,8 @@ def print_table(result: BenchResult, console: Console) -> None:
     console.print(table)
     s = result.summary()
     console.print(
-        f"staged/raw = {s['staged_over_raw']:.2f}x   staged/per-slice = {s['staged_over_slice']:.1f}x   "
+        f"staged/raw = {s['staged_over_raw']:.2f}x (per round, median: {s['staged_over_raw_paired']:.2f}x)   "
+        f"staged/per-slice = {s['staged_over_slice']:.1f}x   "
         f"per-slice ops/staged ops = {s['slice_ops_over_staged']:,.0f}x   "
         f"(per-slice descriptors: {s['slice_descriptors']:,} per request)"
     )
