@@ -1,6 +1,7 @@
 # The two commands a new user runs: `make demo` and `make test`. Each sets up .venv itself.
 SHELL := /bin/bash
 VENV ?= .venv
+BENCH_FLAGS ?=
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check
 STAMP_BASE := $(VENV)/.kvstage-base
@@ -51,8 +52,8 @@ sim: $(STAMP_BASE)
 
 # The bench acceptance runs (issue 4): staged vs per-slice vs raw bulk, llama3-8b P=4 -> D=2; several minutes each.
 bench: $(STAMP_TEST)
-	$(VENV)/bin/kvstage bench --backend mooncake --model llama3-8b --prefill-tp 4 --decode-tp 2 --tokens 4096 --page-size 16
-	$(VENV)/bin/kvstage bench --backend nixl --model llama3-8b --prefill-tp 4 --decode-tp 2 --tokens 4096 --page-size 16
+	$(VENV)/bin/kvstage bench --backend mooncake --model llama3-8b --prefill-tp 4 --decode-tp 2 --tokens 4096 --page-size 16 $(BENCH_FLAGS)
+	$(VENV)/bin/kvstage bench --backend nixl --model llama3-8b --prefill-tp 4 --decode-tp 2 --tokens 4096 --page-size 16 $(BENCH_FLAGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
