@@ -15,8 +15,9 @@ lock around every call, so a process's writes copied one at a time: about 5 GB/s
 whatever the number of writes in flight. The agent is therefore built with `TransportConfig.nixl_workers` UCX
 workers (4 by default) and, with more than one, in RW mode: data-path calls (post, status, release) run in
 parallel on the worker threads while metadata calls (register, load a peer) stay exclusive. Measured on that
-host, one process, 16 MiB writes from 4 threads: 18.3 GB/s with 4 workers in RW mode, 4.8-5.2 GB/s with 1 worker
+host, one process, 16 MiB writes from 4 threads: 18.3 GB/s with 4 workers in RW mode, 4.7-5.4 GB/s with 1 worker
 or in STRICT mode.
+
 Remote descriptor lists are built here from plain integers; we never unpickle NIXL's serialised descriptors,
 which would run code from the wire.
 
