@@ -242,6 +242,26 @@ def test_failed_bulk_write_fails_the_room_with_a_reason_and_the_agents_keep_serv
         assert agent.wait_quiescent(5) and agent.snapshot().writes_waiting == 0
 
 
+def test_a_second_lookup_of_the_same_decode_session_keeps_the_ring_import_that_queued_writes_hold(make_cluster):
+    """Regression (seen as a flaky multi-process test): a decode record delivered twice for one session used to
+    forget and re-import the ring, so writes already queued against the first import failed as "not imported"."""
+    cluster = make_cluster(2, 1)
+    _run_room(cluster, 1, 24)
+    for agent in cluster.prefill:
+        assert _wait(agent, 1)[1].ok
+    decode_peer = cluster.decode[0].peer_id
+    before = [agent._rings[decode_peer][1] for agent in cluster.prefill]
+    for agent in cluster.prefill:
+        agent._events.put(agent._records[decode_peer])  # what the resolver posts for a repeated lookup
+    sides = _run_room(cluster, 2, 24)  # queued behind the repeated record on each agent thread
+    assert all(o.ok for o in _wait(cluster.decode[0], 2).values())
+    for agent in cluster.prefill:
+        assert _wait(agent, 1)[2].ok
+    _assert_landed(cluster, sides, 0)
+    assert [agent._rings[decode_peer][1] for agent in cluster.prefill] == before
+    assert all(agent._rings[decode_peer][1] is ring for agent, ring in zip(cluster.prefill, before, strict=True))
+
+
 def test_matched_tp_room_on_a_backend_without_exportable_pools_fails_explicitly(make_cluster):
     """P == D takes the direct path; the local backend cannot export engine memory, so the room fails, loudly."""
     cluster = make_cluster(2, 2)

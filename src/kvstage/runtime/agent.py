@@ -549,6 +549,10 @@ class BaseAgent(ABC):
         self._outcomes.append(outcome)
 
     def _complete(self, token: int, ok: bool, reason: str = "") -> None:
+        """Report the outcome of the action `token` to the endpoint; a failure is logged with its full reason (the
+        room's outcome carries only the protocol's short reason, e.g. "transfer failed")."""
+        if not ok:
+            log.warning("%s: action %d failed: %s", self.peer_id, token, reason)
         self._feed(Completion(token, ok, reason))
 
     def _poll_transport(self) -> None:

@@ -140,6 +140,11 @@ class PrefillAgent(BaseAgent):
             raise TypeError(f"prefill agent cannot execute {action!r}")
 
     def _peer_changed(self, old: PeerRecord | None, record: PeerRecord) -> None:
+        held = self._rings.get(record.peer_id)
+        if held is not None and held[0] == record.session:
+            # the same incarnation again (a second lookup of it): writes already queued hold its imports, which
+            # stay valid; re-importing would forget them under those writes
+            return
         self._peer_fenced(record.peer_id)
         ring = self._import(record, "ring")
         if ring is None:
