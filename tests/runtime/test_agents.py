@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 
+import msgspec
 import pytest
 import torch
 
@@ -260,6 +261,24 @@ def test_a_second_lookup_of_the_same_decode_session_keeps_the_ring_import_that_q
     _assert_landed(cluster, sides, 0)
     assert [agent._rings[decode_peer][1] for agent in cluster.prefill] == before
     assert all(agent._rings[decode_peer][1] is ring for agent, ring in zip(cluster.prefill, before, strict=True))
+
+
+def test_a_record_of_an_older_decode_session_never_replaces_the_newer_one(make_cluster):
+    """As the bootstrap does: a late lookup result from before a restart must not send writes to the old ring."""
+    cluster = make_cluster(2, 1)
+    decode_peer = cluster.decode[0].peer_id
+    _run_room(cluster, 1, 16)
+    for agent in cluster.prefill:
+        assert _wait(agent, 1)[1].ok
+    current = [agent._records[decode_peer] for agent in cluster.prefill]
+    rings = [agent._rings[decode_peer][1] for agent in cluster.prefill]
+    for agent, record in zip(cluster.prefill, current, strict=True):
+        agent._events.put(msgspec.structs.replace(record, session=record.session - 1))
+    sides = _run_room(cluster, 2, 16)
+    assert all(o.ok for o in _wait(cluster.decode[0], 2).values())
+    _assert_landed(cluster, sides, 0)
+    assert [agent._records[decode_peer] for agent in cluster.prefill] == current
+    assert all(agent._rings[decode_peer][1] is ring for agent, ring in zip(cluster.prefill, rings, strict=True))
 
 
 def test_matched_tp_room_on_a_backend_without_exportable_pools_fails_explicitly(make_cluster):

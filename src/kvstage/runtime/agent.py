@@ -533,6 +533,11 @@ class BaseAgent(ABC):
                 self._feed(SendFailed(record.peer_id, envelope, str(exc)))
             return
         old = self._records.get(record.peer_id)
+        if old is not None and record.session < old.session:
+            # a lookup that raced a restart: the bootstrap never lets an older session replace a newer one, nor here
+            log.info("%s: ignored session %d of %r, which runs session %d", self.peer_id, record.session,
+                     record.peer_id, old.session)  # fmt: skip
+            return
         if old is not None and old.control_address != record.control_address:
             self.channel.forget_peer(old.control_address)
             self._peer_of_address.pop(old.control_address, None)
