@@ -147,11 +147,26 @@ def scatter_slots(
     num_heads: int,
 ) -> int:
     """`scatter` for slots already returned by `pool.slot_indices`: one kernel, no page validation."""
+    nbytes = _queue_scatter(staging, offset, pool, slots, head_start, num_heads)
+    _wait_landed(pool)
+    return nbytes
+
+
+def _queue_scatter(
+    staging: torch.Tensor, offset: int, pool: KVPool, slots: torch.Tensor, head_start: int, num_heads: int
+) -> int:
+    """Queue one block's scatter on the current stream; the caller waits with `_wait_landed` before the staging
+    bytes may change. Host staging of a device pool: one copy up (not waited for), then the scatter kernel."""
     dst, block = _views(pool, staging, offset, slots.numel(), head_start, num_heads)
-    dst.index_copy_(2, slots, block.to(dst.device))  # host staging of a device pool: one copy up, then scatter
-    if dst.device.type == "cuda":  # the bytes are in the pool when this returns, whichever stream reads them next
-        torch.cuda.current_stream(dst.device).synchronize()
+    dst.index_copy_(2, slots, block.to(dst.device, non_blocking=True))
     return block.numel() * block.element_size()
+
+
+def _wait_landed(pool: KVPool) -> None:
+    """Return once every queued scatter into `pool` has landed, whichever stream reads the pool next, and the
+    staging bytes they read may be reused."""
+    if pool.device.type == "cuda":
+        torch.cuda.current_stream(pool.device).synchronize()
 
 
 def _check_block(pool: KVPool, block: WriterBlock, chunk: Chunk) -> None:
@@ -202,7 +217,8 @@ def scatter_block(
 def scatter_region(
     staging: torch.Tensor, region_offset: int, plan: StagingPlan, pool: KVPool, pages: Pages, chunk: Chunk
 ) -> int:
-    """Decode side: scatter every writer block of one chunk's region; one copy per writer. Returns bytes read.
+    """Decode side: scatter every writer block of one chunk's region; one copy per writer, then one wait for all
+    of them. Returns bytes read.
 
     Every block is checked before the first one is copied, so a bad plan writes nothing.
     """
@@ -216,7 +232,9 @@ def scatter_region(
         pool.geometry.check_heads(block.transfer.dst_head_start, block.transfer.num_heads)
     _region(staging, region_offset, plan.total_bytes, pool.device)
     slots = pool.slot_indices(pages, chunk.start, chunk.end)
-    return sum(
-        scatter_slots(staging, region_offset + b.offset, pool, slots, b.transfer.dst_head_start, b.transfer.num_heads)
+    nbytes = sum(
+        _queue_scatter(staging, region_offset + b.offset, pool, slots, b.transfer.dst_head_start, b.transfer.num_heads)
         for b in plan.blocks
     )
+    _wait_landed(pool)  # one wait for the whole region
+    return nbytes
