@@ -57,8 +57,9 @@ log = logging.getLogger(__name__)
 PREFILL, DECODE = "P", "D"
 #: Liveness for the bench's agents: generous, because the baselines saturate both cores for seconds.
 BENCH_TIMING = Timing(heartbeat_s=0.5, dead_after_s=60.0, retry_initial_s=0.05, retry_max_s=1.0)
-#: How often decode polls its agent for outcomes: the resolution of the staged path's end time.
-DECODE_POLL_S = 0.001
+#: How often decode polls its agent for outcomes: the resolution of the staged path's end time, the same as the
+#: baselines' completion polling (`wait_for`), so no path's clock stops later than another's.
+DECODE_POLL_S = 0.0002
 #: Prefill's outcomes only gate the next round, so it polls less often and leaves the CPU to the transfer.
 PREFILL_POLL_S = 0.01
 
