@@ -7,6 +7,8 @@ writer. Bytes are compared by SHA-256 digests taken on each side.
 from __future__ import annotations
 
 import ctypes
+import os
+import subprocess
 import sys
 import threading
 from collections.abc import Iterator
@@ -231,3 +233,27 @@ def test_nixl_writes_in_flight_from_several_threads_land_bit_exact_with_one_or_s
 def test_nixl_workers_below_one_is_refused_naming_the_field() -> None:
     with pytest.raises(ConfigError, match="nixl_workers must be at least 1, got 0"):
         TransportConfig(backend="nixl", nixl_workers=0)
+
+
+_MOONCAKE_ROUND_TRIP = """
+from kvstage.transport.data import TransportConfig, create_transport
+from kvstage.transport.data.loopback import wait_for
+a = create_transport(TransportConfig(backend="mooncake"))
+b = create_transport(TransportConfig(backend="mooncake"))
+src, dst = a.allocate(4096), b.allocate(4096)
+done = wait_for(a, [a.write(src, 0, a.import_remote(b.export(dst)), 0, 4096)], 30)
+assert all(c.ok for c in done.values())
+a.close()
+b.close()
+"""
+
+
+@pytest.mark.parametrize("level", [None, "INFO"])
+def test_mooncake_keeps_its_info_lines_off_stderr_unless_mc_log_level_asks(level: str | None) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "MC_LOG_LEVEL"} | ({"MC_LOG_LEVEL": level} if level else {})
+    proc = subprocess.run(
+        [sys.executable, "-c", _MOONCAKE_ROUND_TRIP], env=env, capture_output=True, text=True, timeout=120, check=False
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    info_lines = [line for line in proc.stderr.splitlines() if line.startswith("I")]
+    assert bool(info_lines) == (level == "INFO"), proc.stderr[-2000:]

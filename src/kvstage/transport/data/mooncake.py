@@ -11,6 +11,11 @@ single-task batches, so writes run as blocking batch calls (which release the GI
 `poll` collects what they finished. A batch of n slices is n engine tasks (n operations), submitted in calls of
 at most `_MAX_TASKS_PER_CALL` tasks.
 
+Logging. The engine logs through glog to standard error, a dozen INFO lines per engine (topology discovery,
+listening port, every segment removed at close), which would bury the caller's own output. Unless `MC_LOG_LEVEL`
+is set, kvstage sets it to WARNING before the engine module loads (it is read then): warnings and errors still
+show. `GLOG_minloglevel` has no effect on this wheel.
+
 Invariants: a rejected, unreachable or timed-out write becomes a failed completion naming the peer session; the
 engine enforces on the reader side that a write lands inside registered memory, and `DataTransport` checks
 region bounds before submitting. Called through `kvstage.transport.data.create_transport`.
@@ -19,6 +24,7 @@ region bounds before submitting. Called through `kvstage.transport.data.create_t
 from __future__ import annotations
 
 import logging
+import os
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -69,6 +75,7 @@ class _Write:
 
 def load_engine_class() -> Any:
     """Mooncake's `TransferEngine` class, or `TransportUnavailable` naming the extra (and libibverbs1)."""
+    os.environ.setdefault("MC_LOG_LEVEL", "WARNING")  # glog INFO lines on stderr; see "Logging" above
     try:
         from mooncake.engine import TransferEngine  # type: ignore[import-untyped]
     except ImportError as err:
