@@ -186,17 +186,24 @@ class Cluster:
                 proc = ctx.Process(target=rank_main, args=(child, config, role, rank, pairs), daemon=True)
                 proc.start()
                 self.ranks[(role, rank)] = (proc, parent)
-        descriptors = {key: conn.recv() for key, (_, conn) in self.ranks.items()}
+        descriptors = {key: self._answer(key) for key in self.ranks}
         for (role, rank), (_, conn) in self.ranks.items():
             feeds = {p.decode for p in pairs if p.prefill == rank} if role == PREFILL else set()
             conn.send(("peers", {d: descriptors[(DECODE, d)] for d in feeds}))
-            conn.recv()
+            self._answer((role, rank))
 
     def round(self, mode: str, pace_s: float) -> list[dict[str, tuple[float, float]]]:
         start_at = time.monotonic() + START_DELAY_S
         for _, conn in self.ranks.values():
             conn.send(("round", mode, start_at, pace_s))
-        return [conn.recv() for _, conn in self.ranks.values()]
+        return [self._answer(key) for key in self.ranks]
+
+    def _answer(self, key: tuple[str, int]) -> Any:
+        """The rank's reply; a rank that died (its traceback is on stderr) ends the run with its name."""
+        try:
+            return self.ranks[key][1].recv()
+        except EOFError:
+            raise SystemExit(f"rank {key[0]}{key[1]} exited; its error is printed above") from None
 
     def stop(self) -> None:
         for proc, conn in self.ranks.values():
