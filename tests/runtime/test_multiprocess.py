@@ -193,6 +193,33 @@ def _wait_for_new_session(cluster: Cluster, peer: str, old_session: int) -> None
     _wait_until(lambda: any(r.peer_id == peer and r.session != old_session for r in cluster.bootstrap.records()))
 
 
+def _kill_and_restart(
+    cluster: Cluster, victim: str, peer: str, crash_reports: list[Path], crash_timeout_s: float, restart: tuple
+) -> tuple[float, list[dict], list[dict]]:
+    """Kill process `victim` (peer id `peer`) mid-transfer, wait for the survivors' crash reports, spawn `restart`
+    (`Cluster.spawn` arguments) as the peer's next session, then let phase two start (the "phase2" file).
+
+    Returns when the victim was killed, the crash reports, and the phase-two reports of d0, p0 and p1."""
+    old_session = _session_of(cluster, peer)
+    killed_at = time.time()
+    cluster.kill(victim)
+    crash = cluster.wait_reports(crash_reports, crash_timeout_s)
+    cluster.spawn(*restart)
+    _wait_for_new_session(cluster, peer, old_session)
+    (cluster.tmp / "phase2").touch()
+    after = cluster.wait_reports([cluster.tmp / f"{n}.report" for n in ("d0", "p0", "p1")], 90)
+    return killed_at, crash, after
+
+
+def _assert_phase_two_served(after: list[dict]) -> None:
+    """Every phase-two room succeeded on d0, p0 and p1, bit-exact, and every rank ended quiescent."""
+    for report in after:
+        assert all(r["ok"] for r in report["rooms"].values()), report["rooms"]
+        assert len(report["rooms"]) == 20
+    _check_bit_exact([after[0]], after[1:], 1)
+    _check_quiescent(after)
+
+
 def _assert_failed_as_peer_dead(failed: list[dict], killed_at: float) -> None:
     assert failed, "every multi-chunk room was held mid-transfer, so some must fail"
     for result in failed:
@@ -265,26 +292,19 @@ def test_killed_prefill_rank_fails_its_rooms_as_peer_dead_and_a_restarted_rank_s
         hold = {"first_room": 0, "rooms": 8, "hold_after_first_chunk": True, "marker": str(held)}
         cluster.spawn("p1", "prefill", 2, 1, 1, [hold])
         _wait_until(held.exists)
-        old_session = _session_of(cluster, "P/1")
-        killed_at = time.time()
-        cluster.kill("p1")
-        crash = cluster.wait_reports([tmp_path / "d0-crash.report", tmp_path / "p0-crash.report"], 60)[0]
-        cluster.spawn("p1-restarted", "prefill", 2, 1, 1, [_phase(tmp_path, "p1", 100, 20)])
-        _wait_for_new_session(cluster, "P/1", old_session)
-        phase2.touch()
-        after = cluster.wait_reports([tmp_path / f"{n}.report" for n in ("d0", "p0", "p1")], 90)
+        killed_at, reports, after = _kill_and_restart(
+            cluster, "p1", "P/1", [tmp_path / "d0-crash.report", tmp_path / "p0-crash.report"], 60,
+            ("p1-restarted", "prefill", 2, 1, 1, [_phase(tmp_path, "p1", 100, 20)]),
+        )  # fmt: skip
     finally:
         cluster.close()
 
+    crash = reports[0]
     failed = [result for result in crash["rooms"].values() if not result["ok"]]
     _assert_failed_as_peer_dead(failed, killed_at)
     assert all(result["pages_returned"] for result in failed)
     assert crash["ring_live_bytes"] == 0 and crash["quiescent"]
-    for report in after:
-        assert all(r["ok"] for r in report["rooms"].values()), report["rooms"]
-        assert len(report["rooms"]) == 20
-    _check_bit_exact([after[0]], after[1:], 1)
-    _check_quiescent(after)
+    _assert_phase_two_served(after)
 
 
 @pytest.mark.timeout(240)
@@ -302,14 +322,10 @@ def test_killed_decode_rank_fails_its_rooms_as_peer_dead_on_every_writer_and_a_r
         hold = _phase(tmp_path, "p1-crash", 0, 8, hold_after_first_chunk=True, marker=str(held))
         cluster.spawn("p1", "prefill", 2, 1, 1, [hold, _phase(tmp_path, "p1", 100, 20, wait_for=str(phase2))])
         _wait_until(held.exists)
-        old_session = _session_of(cluster, "D/0")
-        killed_at = time.time()
-        cluster.kill("d0")
-        crash = cluster.wait_reports([tmp_path / "p0-crash.report", tmp_path / "p1-crash.report"], 90)
-        cluster.spawn("d0-restarted", "decode", 1, 0, 2, [_phase(tmp_path, "d0", 100, 20)])
-        _wait_for_new_session(cluster, "D/0", old_session)
-        phase2.touch()
-        after = cluster.wait_reports([tmp_path / f"{n}.report" for n in ("d0", "p0", "p1")], 90)
+        killed_at, crash, after = _kill_and_restart(
+            cluster, "d0", "D/0", [tmp_path / "p0-crash.report", tmp_path / "p1-crash.report"], 90,
+            ("d0-restarted", "decode", 1, 0, 2, [_phase(tmp_path, "d0", 100, 20)]),
+        )  # fmt: skip
     finally:
         cluster.close()
 
@@ -317,8 +333,4 @@ def test_killed_decode_rank_fails_its_rooms_as_peer_dead_on_every_writer_and_a_r
         assert len(report["rooms"]) == 8
         _assert_failed_as_peer_dead([result for result in report["rooms"].values() if not result["ok"]], killed_at)
         assert report["quiescent"] and report["pages_in_use"] == 0, report
-    for report in after:
-        assert all(r["ok"] for r in report["rooms"].values()), report["rooms"]
-        assert len(report["rooms"]) == 20
-    _check_bit_exact([after[0]], after[1:], 1)
-    _check_quiescent(after)
+    _assert_phase_two_served(after)
