@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import statistics
 import threading
 import time
@@ -39,8 +38,10 @@ from typing import Any
 
 import torch
 
-from kvstage.bench.config import BenchConfig
+from kvstage.bench.config import DEVICES, BenchConfig
+from kvstage.bench.runner import BenchError, RankProcess
 from kvstage.bench.worker import DECODE, PREFILL, pool_device, split_evenly, wait_until
+from kvstage.errors import ConfigError
 from kvstage.layout import plan_staging
 from kvstage.transport.data import BACKENDS, TransportConfig, create_transport, decode_descriptor, encode_descriptor
 
@@ -77,8 +78,9 @@ def plan_pairs(config: BenchConfig) -> list[Pair]:
 
 
 def region_bytes(config: BenchConfig, role: str, rank: int, pairs: list[Pair]) -> int:
+    """A decode rank receives its heads' bytes; a prefill rank sends its pairs' (at least 64: an idle replica)."""
     if role == DECODE:
-        return plan_staging(config.layout, config.prefill_tp, config.decode_tp, rank, config.tokens).total_bytes
+        return config.decode_bytes(rank)
     return max(64, sum(p.nbytes for p in pairs if p.prefill == rank))
 
 
@@ -155,62 +157,57 @@ class Rank:
 
 
 def rank_main(conn: Connection, config: BenchConfig, role: str, rank: int, pairs: list[Pair]) -> None:
-    """Process body: report the region's descriptor, then answer ("peers", ...), ("round", ...) and ("stop",)."""
+    """Process body: report ("ready", descriptor), then answer ("peers", ...), ("round", ...) and ("stop",) with
+    ("ok", payload), as `RankProcess` expects; an error is reported as ("error", message), then raised."""
     torch.set_num_threads(1)
-    node = Rank(config, role, rank, pairs)
     try:
-        conn.send(encode_descriptor(node.transport.export(node.region)))
-        while True:
-            command, *args = conn.recv()
-            if command == "stop":
-                conn.send(None)
-                return
-            if command == "peers":
-                node.remotes = {d: node.transport.import_remote(decode_descriptor(b)) for d, b in args[0].items()}
-                conn.send(None)
-            else:
-                conn.send(node.round(*args))
-    finally:
-        node.close()
+        node = Rank(config, role, rank, pairs)
+        conn.send(("ready", encode_descriptor(node.transport.export(node.region))))
+        try:
+            while (message := conn.recv())[0] != "stop":
+                command, *args = message
+                if command == "peers":
+                    node.remotes = {d: node.transport.import_remote(decode_descriptor(b)) for d, b in args[0].items()}
+                    conn.send(("ok", None))
+                else:
+                    conn.send(("ok", node.round(*args)))
+            conn.send(("ok", None))
+        finally:
+            node.close()
+    except BaseException as exc:
+        conn.send(("error", f"{role}{rank}: {type(exc).__name__}: {exc}"))
+        raise
 
 
 class Cluster:
     """The rank processes of one topology, connected; `round` runs one mode on all of them at once."""
 
     def __init__(self, config: BenchConfig, pairs: list[Pair]) -> None:
-        ctx = mp.get_context("spawn")
-        self.ranks: dict[tuple[str, int], tuple[Any, Connection]] = {}
+        self.ranks: dict[tuple[str, int], RankProcess] = {}
         for role, count in ((DECODE, config.decode_tp), (PREFILL, config.prefill_tp)):
             for rank in range(count):
-                parent, child = ctx.Pipe()
-                proc = ctx.Process(target=rank_main, args=(child, config, role, rank, pairs), daemon=True)
-                proc.start()
-                self.ranks[(role, rank)] = (proc, parent)
-        descriptors = {key: self._answer(key) for key in self.ranks}
-        for (role, rank), (_, conn) in self.ranks.items():
-            feeds = {p.decode for p in pairs if p.prefill == rank} if role == PREFILL else set()
-            conn.send(("peers", {d: descriptors[(DECODE, d)] for d in feeds}))
-            self._answer((role, rank))
+                name = f"{'decode' if role == DECODE else 'prefill'} rank {rank}"
+                args = (config, role, rank, pairs)
+                self.ranks[(role, rank)] = RankProcess.spawn(rank_main, args, name, ROUND_TIMEOUT_S)
+        self.pairs = pairs
+
+    def connect(self) -> None:
+        """Wait for every rank's region descriptor and give each prefill rank those of the decode ranks it feeds."""
+        descriptors = {key: process.recv() for key, process in self.ranks.items()}
+        for (role, rank), process in self.ranks.items():
+            feeds = {p.decode for p in self.pairs if p.prefill == rank} if role == PREFILL else set()
+            process.send("peers", {d: descriptors[(DECODE, d)] for d in feeds})
+            process.recv()
 
     def round(self, mode: str, pace_s: float) -> list[dict[str, tuple[float, float]]]:
         start_at = time.monotonic() + START_DELAY_S
-        for _, conn in self.ranks.values():
-            conn.send(("round", mode, start_at, pace_s))
-        return [self._answer(key) for key in self.ranks]
+        for process in self.ranks.values():
+            process.send("round", mode, start_at, pace_s)
+        return [process.recv() for process in self.ranks.values()]
 
-    def _answer(self, key: tuple[str, int]) -> Any:
-        """The rank's reply; a rank that died (its traceback is on stderr) ends the run with its name."""
-        try:
-            return self.ranks[key][1].recv()
-        except EOFError:
-            raise SystemExit(f"rank {key[0]}{key[1]} exited; its error is printed above") from None
-
-    def stop(self) -> None:
-        for proc, conn in self.ranks.values():
-            if proc.is_alive():
-                conn.send(("stop",))
-        for proc, _ in self.ranks.values():
-            proc.join(30)
+    def stop(self, graceful: bool) -> None:
+        for process in self.ranks.values():
+            process.stop(graceful)
 
 
 def span(spans: list[dict[str, tuple[float, float]]], kind: str) -> float:
@@ -221,11 +218,12 @@ def span(spans: list[dict[str, tuple[float, float]]], kind: str) -> float:
 
 def measure(config: BenchConfig) -> dict[str, Any]:
     """`config.repeats` rounds of every mode, after one warm-up round: GB/s per mode and round, paired ratios."""
-    pairs = plan_pairs(config)
-    moved = sum(p.nbytes for p in pairs)
+    moved = config.moved_bytes
     rows: dict[str, list[float]] = {mode: [] for mode in (*MODES, "copies beside writes")}
-    cluster = Cluster(config, pairs)
+    cluster = Cluster(config, plan_pairs(config))
+    finished = False
     try:
+        cluster.connect()
         for repeat in range(config.repeats + 1):
             raw_s = span(cluster.round("raw", 0.0), "write")
             chunked_s = span(cluster.round("chunked", 0.0), "write")
@@ -241,8 +239,9 @@ def measure(config: BenchConfig) -> dict[str, Any]:
                     rows[mode].append(nbytes / seconds / 1e9)
                 done = "  ".join(f"{m} {rows[m][-1]:.2f}" for m in rows)
                 print(f"round {repeat}/{config.repeats} GB/s: {done}", flush=True)
+        finished = True
     finally:
-        cluster.stop()
+        cluster.stop(graceful=finished)  # after a failure a rank may never answer: kill them
     return {
         "backend": config.backend,
         "device": config.device,
@@ -263,7 +262,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--chunk-tokens", type=int, default=512)
     parser.add_argument("--writes-per-peer", type=int, default=2)
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the stand-in KV pools live")
+    parser.add_argument("--device", choices=DEVICES, default="cpu", help="where the stand-in KV pools live")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json", action="store_true", help="end with one JSON line")
     return parser.parse_args()
@@ -273,11 +272,14 @@ def main() -> None:
     args = parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda needs a CUDA GPU; this machine has none")
-    config = BenchConfig(
-        args.backend, args.model, args.prefill_tp, args.decode_tp, args.page_size, args.tokens, args.chunk_tokens,
-        repeats=args.repeats, device=args.device, writes_per_peer=args.writes_per_peer,
-    )  # fmt: skip
-    result = measure(config)
+    try:
+        config = BenchConfig(
+            args.backend, args.model, args.prefill_tp, args.decode_tp, args.page_size, args.tokens, args.chunk_tokens,
+            repeats=args.repeats, device=args.device, writes_per_peer=args.writes_per_peer,
+        )  # fmt: skip
+        result = measure(config)
+    except (ConfigError, BenchError) as exc:
+        raise SystemExit(f"host_ceiling: {exc}") from None
     print(f"{config.backend} on {config.device}, {result['bytes'] / 2**20:.0f} MiB per round, median GB/s:")
     for mode, values in result["gbps"].items():
         print(f"  {mode:<21} {statistics.median(values):8.2f}")

@@ -136,11 +136,23 @@ class BenchResult:
 Step = Callable[[str], None]
 
 
-class _Rank:
-    """One worker process and the parent's end of its pipe."""
+class RankProcess:
+    """One rank's worker process and the parent's end of its pipe. The worker answers each command with
+    ("ok" or "ready", payload) or ("error", message); `recv` turns silence, death and errors into `BenchError`.
+    Also used by benchmarks/host_ceiling.py."""
 
     def __init__(self, process: BaseProcess, conn: Connection, name: str, timeout_s: float) -> None:
         self.process, self.conn, self.name, self.timeout_s = process, conn, name, timeout_s
+
+    @classmethod
+    def spawn(cls, target: Callable[..., None], args: tuple[Any, ...], name: str, timeout_s: float) -> RankProcess:
+        """Start `target(child_conn, *args)` in a fresh (spawned) daemon process named `name`."""
+        ctx = mp.get_context("spawn")
+        parent, child = ctx.Pipe()
+        process = ctx.Process(target=target, args=(child, *args), name=f"kvstage-{name.replace(' ', '-')}", daemon=True)
+        process.start()
+        child.close()
+        return cls(process, parent, name, timeout_s)
 
     def send(self, command: str, *args: Any) -> None:
         self.conn.send((command, *args))
@@ -181,8 +193,8 @@ class _Cluster:
     def __init__(self, config: BenchConfig, bootstrap: str) -> None:
         self.config = config
         self.bootstrap = bootstrap
-        self.decode: list[_Rank] = []
-        self.prefill: list[_Rank] = []
+        self.decode: list[RankProcess] = []
+        self.prefill: list[RankProcess] = []
         self.decode_info: list[dict[str, Any]] = []
         self.prefill_info: list[dict[str, Any]] = []
 
@@ -192,16 +204,10 @@ class _Cluster:
         self.prefill = [self._spawn(PREFILL, r, self.decode_info) for r in range(self.config.prefill_tp)]
         self.prefill_info = [rank.recv() for rank in self.prefill]
 
-    def _spawn(self, role: str, rank: int, decode_info: list[dict[str, Any]]) -> _Rank:
-        ctx = mp.get_context("spawn")
-        parent, child = ctx.Pipe()
-        args = (child, role, rank, self.config, self.bootstrap, decode_info)
-        process = ctx.Process(target=worker_main, args=args, name=f"kvstage-bench-{role}{rank}", daemon=True)
-        process.start()
-        child.close()
-        return _Rank(
-            process, parent, f"{'prefill' if role == PREFILL else 'decode'} rank {rank}", self.config.timeout_s
-        )
+    def _spawn(self, role: str, rank: int, decode_info: list[dict[str, Any]]) -> RankProcess:
+        name = f"{'prefill' if role == PREFILL else 'decode'} rank {rank}"
+        args = (role, rank, self.config, self.bootstrap, decode_info)
+        return RankProcess.spawn(worker_main, args, name, self.config.timeout_s)
 
     def stop(self, graceful: bool) -> None:
         for rank in self.prefill + self.decode:
