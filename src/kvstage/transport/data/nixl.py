@@ -7,8 +7,8 @@ How it works. A descriptor carries the owner's agent metadata (taken after the r
 lists the region) and the region's base address; importing loads that metadata into our agent. A write builds
 local and remote transfer descriptor lists (one row per slice), creates a WRITE request and posts it. UCX
 carries out a same-host write inside the posting call itself (measured: `transfer()` of 64 MiB returns after
-15-30 ms, with the bytes copied), so writes are posted and waited for on `_WORKERS` worker threads, never on the
-caller's thread, and `poll` only collects their completions.
+15-30 ms, with the bytes copied), so writes are posted and waited for on worker threads (`_WORKERS`, at least one
+per UCX worker), never on the caller's thread, and `poll` only collects their completions.
 
 Parallel copies. NIXL's UCX backend drives one UCX worker by default, and its STRICT thread-sync mode holds one
 lock around every call, so a process's writes copied one at a time: about 5 GB/s per process on an H200 host,
