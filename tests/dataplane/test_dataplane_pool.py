@@ -12,6 +12,7 @@ from kvstage.dataplane import (
     StagingBuffer,
     gather,
     gather_block,
+    gather_slots,
     plan_direct_slices,
     scatter,
     transfer_direct,
@@ -150,6 +151,22 @@ def test_gather_writes_only_its_block_and_scatter_reads_it_back_into_the_same_sl
     view, want = pool.flat.view(2, 3, 24, 2, 16), before.view(2, 3, 24, 2, 16)
     assert torch.equal(view[:, :, slots, 1], want[:, :, slots, 1])
     assert int(torch.count_nonzero(pool.flat)) == int(torch.count_nonzero(view[:, :, slots, 1]))
+
+
+def test_a_block_gathered_in_layer_pieces_equals_the_block_gathered_at_once() -> None:
+    pool, pages, _ = _staging_setup()
+    pool.flat.copy_(
+        torch.randint(0, 256, pool.flat.shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(2))
+    )
+    slots = pool.slot_indices(pages, 1, 11)
+    whole, pieces = (torch.full((3000,), 0xCD, dtype=torch.uint8) for _ in range(2))
+    assert gather_slots(pool, slots, 0, 2, whole, 5) == 2 * 3 * 10 * 2 * 16
+    written = [gather_slots(pool, slots, 0, 2, pieces, 5, rows) for rows in (range(4, 6), range(0, 1), range(1, 4))]
+    assert written == [2 * 10 * 2 * 16, 10 * 2 * 16, 3 * 10 * 2 * 16]
+    assert torch.equal(pieces, whole)
+    for rows in (range(5, 7), range(2, 2), range(0, 4, 2)):
+        with pytest.raises(InvalidRequest, match="not a run of the block's 6 K/V layers"):
+            gather_slots(pool, slots, 0, 2, pieces, 5, rows)
 
 
 def test_staging_must_be_a_flat_byte_tensor() -> None:
