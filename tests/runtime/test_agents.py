@@ -277,7 +277,8 @@ def test_a_chunk_whose_pages_cannot_be_gathered_fails_its_room_once_and_frees_it
     assert "transfer failed" in reasons and set(reasons) <= {"transfer failed", "aborted by decode"}
     assert not _wait(cluster.decode[0], 1)[1].ok
     logged = [r.getMessage() for r in caplog.records if "gather failed" in r.getMessage()]
-    assert len(logged) == reasons.count("transfer failed"), "each write completes once, however many pieces"
+    writers = [message.split(":")[0] for message in logged]
+    assert writers and len(set(writers)) == len(writers), "each writer's one write completes once, in any pieces"
     assert all("are not allocated" in message for message in logged)
     for agent in cluster.prefill:
         assert agent.wait_quiescent(5) and agent._slab.live_bytes == 0

@@ -24,6 +24,9 @@ every writer of a chunk arrived), the simulator, the demo and the benchmarks.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable, Sequence
+
 import torch
 
 from kvstage.dataplane.pool import WORD_DTYPES, KVPool, Pages
@@ -126,6 +129,46 @@ def gather_slots(
     else:  # host staging of a device pool: gather on the device, one copy down (returns once it has landed)
         block.copy_(torch.index_select(src, 1, slots))
     return block.numel() * block.element_size()
+
+
+def gather_pieces(
+    pool: KVPool,
+    slots: torch.Tensor,
+    head_start: int,
+    num_heads: int,
+    staging: torch.Tensor,
+    offset: int,
+    pieces: Sequence[range],
+) -> list[Callable[[], int]]:
+    """Gather the block at `offset` piece by piece (`WriterBlock.pieces` runs of K/V layers): one callable per
+    piece, to be called in order, each returning that piece's bytes once they are in `staging`.
+
+    Host staging of a device pool: the first call selects the whole block on the device once and queues every
+    piece's copy down; each call then waits for its own piece only, so the first piece is in host memory after
+    one select and a fraction of the copy. Otherwise each call gathers its piece (`gather_slots` with `rows`).
+    """
+    src, block = _views(pool, staging, offset, slots.numel(), head_start, num_heads)
+    for rows in pieces:
+        if not 0 <= rows.start < rows.stop <= block.shape[0] or rows.step != 1:
+            raise InvalidRequest(f"rows {rows} are not a run of the block's {block.shape[0]} K/V layers")
+    if block.device == src.device:
+        return [functools.partial(gather_slots, pool, slots, head_start, num_heads, staging, offset, r) for r in pieces]
+    landed: list[torch.cuda.Event] = []
+
+    def wait(index: int) -> int:
+        if not landed:  # the first call: select once, queue every piece's copy (the stream keeps `selected`)
+            selected = torch.index_select(src, 1, slots)
+            events = []
+            for rows in pieces:
+                block[rows.start : rows.stop].copy_(selected[rows.start : rows.stop], non_blocking=True)
+                events.append(torch.cuda.Event())  # type: ignore[no-untyped-call]
+                events[-1].record()
+            landed.extend(events)
+        landed[index].synchronize()
+        rows = pieces[index]
+        return block[rows.start : rows.stop].numel() * block.element_size()
+
+    return [functools.partial(wait, index) for index in range(len(pieces))]
 
 
 def scatter(

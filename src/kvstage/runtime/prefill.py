@@ -24,9 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
 
-import torch
-
-from kvstage.dataplane import KVPool, PoolGeometry, SliceCopy, gather_slots, plan_direct_slices
+from kvstage.dataplane import KVPool, PoolGeometry, SliceCopy, gather_pieces, plan_direct_slices
 from kvstage.errors import ConfigError, KVStageError, StagingOversized
 from kvstage.layout import heads_of_rank
 from kvstage.protocol import (
@@ -71,7 +69,7 @@ class _Write:
     slot: Allocation | None = None
     pending: int = 1  # pieces not ended yet: gathering, waiting for the window, or in flight
     failure: str = ""
-    slots: torch.Tensor | None = None  # staged: the chunk's pool slots, found by its first piece's gather
+    gathers: list[Callable[[], int]] | None = None  # staged: one per piece, made by the first piece's job
 
 
 @dataclass(slots=True)
@@ -270,19 +268,20 @@ class PrefillAgent(BaseAgent):
         write.pending = len(pieces)
         for index, rows in enumerate(pieces):
             self._gathering[action.token, index] = (write, rows)
-            self.copier.submit((action.token, index), self._gather_job(write, rows))
+            self.copier.submit((action.token, index), self._gather_job(write, pieces, index))
 
-    def _gather_job(self, write: _Write, rows: range) -> Callable[[], int]:
+    def _gather_job(self, write: _Write, pieces: tuple[range, ...], index: int) -> Callable[[], int]:
         action = write.action
         assert isinstance(action, WriteRegion) and write.slot is not None
         transfer, staging, offset = action.block.transfer, self.staging_region.tensor, write.slot.offset
 
         def job() -> int:
-            if write.slots is None:  # the first piece (jobs run in order): validate the pages, find the slots once
+            if write.gathers is None:  # the first piece (jobs run in order): check the pages and heads once
                 self.pool.geometry.check_heads(transfer.src_head_start, transfer.num_heads)
-                write.slots = self.pool.slot_indices(action.src_pages, 0, action.num_tokens)
-            heads = (transfer.src_head_start, transfer.num_heads)
-            return gather_slots(self.pool, write.slots, *heads, staging, offset, rows)
+                slots = self.pool.slot_indices(action.src_pages, 0, action.num_tokens)
+                heads = (transfer.src_head_start, transfer.num_heads)
+                write.gathers = gather_pieces(self.pool, slots, *heads, staging, offset, pieces)
+            return write.gathers[index]()
 
         return job
 
