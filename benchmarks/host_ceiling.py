@@ -9,8 +9,8 @@ transports, one process per rank, every round started at one shared instant:
 
 - `raw`: each (prefill rank, decode rank) pair's bytes as `--writes-per-peer` contiguous writes, all in flight
   (`kvstage bench`'s raw path);
-- `chunked`: the same bytes as the staged path's transfers (each chunk's block in pieces of at most
-  `--max-write-mib`), `--writes-per-peer` in flight per pair;
+- `chunked`: the same bytes as chunk-sized writes, `--writes-per-peer` in flight per pair (the staged path's
+  writes);
 - `copies`: each prefill rank copies its bytes pool -> staging and each decode rank ring -> pool, chunk by chunk,
   paced evenly over the round's raw time (GPU <-> page-locked host memory with `--device cuda`, a host memcpy with
   `--device cpu`), into and out of host buffers of their own (a gather fills a staging slot that no write reads
@@ -118,7 +118,7 @@ class Rank:
         window = self.config.writes_per_peer
         queues = {}
         for p in self.pairs:
-            parts = window if mode == "raw" else -(-p.nbytes // min(p.chunk_bytes, self.config.max_write_bytes))
+            parts = window if mode == "raw" else -(-p.nbytes // p.chunk_bytes)
             pieces = split_evenly(p.nbytes, parts)
             queues[p.decode] = deque((p.src + s, p.dst + s, n) for s, n in pieces)
         in_flight: dict[int, int] = {}
@@ -262,7 +262,6 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--chunk-tokens", type=int, default=512)
     parser.add_argument("--writes-per-peer", type=int, default=2)
-    parser.add_argument("--max-write-mib", type=float, default=4.0, help="the staged path's largest transfer")
     parser.add_argument("--device", choices=DEVICES, default="cpu", help="where the stand-in KV pools live")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json", action="store_true", help="end with one JSON line")
@@ -277,7 +276,6 @@ def main() -> None:
         config = BenchConfig(
             args.backend, args.model, args.prefill_tp, args.decode_tp, args.page_size, args.tokens, args.chunk_tokens,
             repeats=args.repeats, device=args.device, writes_per_peer=args.writes_per_peer,
-            max_write_bytes=round(args.max_write_mib * 2**20),
         )  # fmt: skip
         result = measure(config)
     except (ConfigError, BenchError) as exc:

@@ -94,13 +94,7 @@ def bench(
         2,
         "--writes-per-peer",
         min=1,
-        help="Prefill transfers in flight per decode rank; the raw path splits each pair's bytes into as many.",
-    ),
-    max_write_mib: float = typer.Option(
-        4.0,
-        "--max-write-mib",
-        min=0.001,
-        help="Largest staged transfer: each chunk's block goes out in pieces of whole K/V layers of at most this.",
+        help="Prefill writes in flight per decode rank; the raw path splits each pair's bytes into as many.",
     ),
     as_json: bool = typer.Option(False, "--json", help="Print the results as JSON on the last stdout line."),
     plot_file: str | None = typer.Option(None, "--plot", help="Write a bar chart (PNG) to this file."),
@@ -128,7 +122,6 @@ def bench(
             device=device,
             ring_chunks=ring_chunks,
             writes_per_peer=writes_per_peer,
-            max_write_bytes=round(max_write_mib * 2**20),
         )
     except ConfigError as exc:
         raise typer.BadParameter(str(exc)) from exc

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from itertools import pairwise
 from typing import Literal
 
 from kvstage.errors import ConfigError, InvalidRequest
@@ -192,19 +191,6 @@ class WriterBlock:
     def layer_offset(self, kv: int, layer: int, num_layers: int) -> int:
         """Byte offset, within the region, of K (kv=0) or V (kv=1) of `layer`."""
         return self.offset + (kv * num_layers + layer) * self.layer_bytes
-
-    def pieces(self, max_bytes: int) -> tuple[range, ...]:
-        """The block split into the fewest runs of whole layers (rows `kv * num_layers + layer`, in block order)
-        of at most `max_bytes` each, as equal as whole layers allow; a layer larger than `max_bytes` is a run of
-        its own. A writer gathers and writes each run as it is ready, so the first bytes leave before the whole
-        block is gathered and a chunk lands in order rather than all at once."""
-        if max_bytes <= 0:
-            raise InvalidRequest(f"max_bytes must be positive, got {max_bytes}")
-        rows = self.nbytes // self.layer_bytes
-        count = -(-rows // max(1, max_bytes // self.layer_bytes))
-        size, longer = divmod(rows, count)
-        bounds = [i * size + min(i, longer) for i in range(count + 1)]
-        return tuple(range(start, end) for start, end in pairwise(bounds))
 
 
 @dataclass(frozen=True, slots=True)

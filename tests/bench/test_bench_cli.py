@@ -24,8 +24,7 @@ REQUIRED = ("staged_gbps", "slice_gbps", "raw_gbps", "staged_over_raw", "staged_
 
 # tiny = 4 layers, 4 KV heads, head_dim 64; prefill TP 2 -> decode TP 1; 256 tokens in pages of 16, chunks of 64.
 LAYERS, HEADS, TOKENS, PAGE, CHUNK, PREFILL_TP, DECODE_TP = 4, 4, 256, 16, 64, 2, 1
-WINDOW = 3  # transfers in flight per (writer, reader) pair: the staged path's window and the raw path's parts
-PIECES = 2  # a writer's block per chunk is 2 x 4 layers x 64 tokens x 2 heads x 128 B = 128 KiB; 64 KiB per piece
+WINDOW = 3  # writes in flight per (writer, reader) pair: the staged path's window and the raw path's parts
 
 
 def _run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
@@ -37,8 +36,7 @@ def test_bench_json_line_reports_three_verified_paths_with_the_expected_operatio
     proc = _run(
         "--backend", "local", "--model", "tiny", "--prefill-tp", str(PREFILL_TP), "--decode-tp", str(DECODE_TP),
         "--tokens", str(TOKENS), "--page-size", str(PAGE), "--chunk-tokens", str(CHUNK), "--concurrency", "2",
-        "--writes-per-peer", str(WINDOW), "--max-write-mib", str(1 / 16), "--repeats", "2", "--json",
-        "--plot", str(plot),
+        "--writes-per-peer", str(WINDOW), "--repeats", "2", "--json", "--plot", str(plot),
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -54,8 +52,7 @@ def test_bench_json_line_reports_three_verified_paths_with_the_expected_operatio
 
     writers = len(plan_head_transfers(HEADS, PREFILL_TP, DECODE_TP))  # (prefill, decode) pairs with a block
     pages = TOKENS // PAGE
-    assert result["ops_staged"] == (TOKENS // CHUNK) * writers * PIECES  # bulk writes: per writer, chunk and piece
-    assert result["max_write_bytes"] == 2**16
+    assert result["ops_staged"] == (TOKENS // CHUNK) * writers  # one bulk write per writer per chunk
     assert result["ops_raw"] == writers * WINDOW  # each writer's bytes as WINDOW contiguous writes at once
     assert result["slice_descriptors"] == LAYERS * 2 * pages * writers  # layer x K/V x page x head run
     # A prefill rank's 2 heads fill half of each decode slot row (4 heads), so every slice is strided: one write

@@ -186,25 +186,6 @@ def test_staging_plan_blocks_tile_the_region_in_writer_order(num_heads: int, pre
         assert len(set(plan.writers)) == len(plan.writers), "one block per writer"
 
 
-@pytest.mark.parametrize("max_layers", [1, 2, 3, 5, 32, 64, 100])
-def test_block_pieces_are_the_fewest_near_equal_runs_of_whole_layers_that_fit(max_layers: int) -> None:
-    layout = KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, dtype="bfloat16", page_size=16)
-    block = plan_staging(layout, 4, 2, 0, num_tokens=512).blocks[0]
-    for max_bytes in (max_layers * block.layer_bytes, max_layers * block.layer_bytes + block.layer_bytes - 1):
-        pieces = block.pieces(max_bytes)
-        assert [row for piece in pieces for row in piece] == list(range(64)), "every layer once, in block order"
-        sizes = [len(piece) for piece in pieces]
-        assert max(sizes) <= max_layers and max(sizes) - min(sizes) <= 1
-        assert len(pieces) == -(-64 // max_layers)
-
-
-def test_a_layer_larger_than_the_piece_limit_is_a_piece_of_its_own() -> None:
-    block = plan_staging(LAYOUT, 4, 2, 0, num_tokens=16).blocks[0]
-    assert block.pieces(1) == tuple(range(row, row + 1) for row in range(2 * LAYOUT.num_layers))
-    with pytest.raises(InvalidRequest, match="max_bytes must be positive"):
-        block.pieces(0)
-
-
 def test_staging_plan_names_a_writer_without_a_block() -> None:
     plan = plan_staging(LAYOUT, 4, 2, 0, num_tokens=16)
     assert plan.block_of(1).offset > 0

@@ -12,8 +12,6 @@ from kvstage.dataplane import (
     StagingBuffer,
     gather,
     gather_block,
-    gather_pieces,
-    gather_slots,
     plan_direct_slices,
     scatter,
     transfer_direct,
@@ -152,59 +150,6 @@ def test_gather_writes_only_its_block_and_scatter_reads_it_back_into_the_same_sl
     view, want = pool.flat.view(2, 3, 24, 2, 16), before.view(2, 3, 24, 2, 16)
     assert torch.equal(view[:, :, slots, 1], want[:, :, slots, 1])
     assert int(torch.count_nonzero(pool.flat)) == int(torch.count_nonzero(view[:, :, slots, 1]))
-
-
-def test_a_block_gathered_in_layer_pieces_equals_the_block_gathered_at_once() -> None:
-    pool, pages, _ = _staging_setup()
-    pool.flat.copy_(
-        torch.randint(0, 256, pool.flat.shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(2))
-    )
-    slots = pool.slot_indices(pages, 1, 11)
-    whole, pieces = (torch.full((3000,), 0xCD, dtype=torch.uint8) for _ in range(2))
-    assert gather_slots(pool, slots, 0, 2, whole, 5) == 2 * 3 * 10 * 2 * 16
-    written = [gather_slots(pool, slots, 0, 2, pieces, 5, rows) for rows in (range(4, 6), range(0, 1), range(1, 4))]
-    assert written == [2 * 10 * 2 * 16, 10 * 2 * 16, 3 * 10 * 2 * 16]
-    assert torch.equal(pieces, whole)
-    for rows in (range(5, 7), range(2, 2), range(0, 4, 2)):
-        with pytest.raises(InvalidRequest, match="not a run of the block's 6 K/V layers"):
-            gather_slots(pool, slots, 0, 2, pieces, 5, rows)
-        with pytest.raises(InvalidRequest, match="not a run of the block's 6 K/V layers"):
-            gather_pieces(pool, slots, 0, 2, pieces, 5, [range(0, 1), rows])
-
-
-@pytest.mark.parametrize(
-    "device",
-    [
-        "cpu",
-        pytest.param(
-            "cuda",
-            marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")],
-        ),
-    ],
-)
-def test_pieces_gathered_in_order_land_each_piece_exactly_where_the_whole_block_goes(device: str) -> None:
-    """On a GPU pool with host staging the first piece's call selects the block once and queues every copy down;
-    each call returns once its own piece has landed."""
-    pool = KVPool(LAYOUT, 2, 6, device=device)
-    pages = pool.allocator.allocate(3)
-    pool.flat.copy_(
-        torch.randint(0, 256, pool.flat.shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
-    )
-    slots = pool.slot_indices(pages, 0, 12)
-    whole, staged = (
-        torch.full((4000,), 0xEE, dtype=torch.uint8).pin_memory()
-        if device == "cuda"
-        else torch.full((4000,), 0xEE, dtype=torch.uint8)
-        for _ in range(2)
-    )
-    gather_slots(pool, slots, 0, 2, whole, 64)
-    pieces = [range(0, 2), range(2, 3), range(3, 6)]
-    row = 12 * 2 * 16
-    for rows, gather_piece in zip(pieces, gather_pieces(pool, slots, 0, 2, staged, 64, pieces), strict=True):
-        assert gather_piece() == len(rows) * row
-        done = 64 + rows.stop * row
-        assert torch.equal(staged[:done], whole[:done]), "this piece and every one before it have landed"
-    assert torch.equal(staged, whole)
 
 
 def test_staging_must_be_a_flat_byte_tensor() -> None:

@@ -99,7 +99,6 @@ class Worker:
             chunk_tokens=spec["chunk_tokens"],
             ring_bytes=spec["ring_bytes"],
             staging_bytes=spec["ring_bytes"],
-            max_write_bytes=spec["max_write_bytes"],
         )
         agent_cls = DecodeAgent if self.role == "decode" else PrefillAgent
         self.agent = agent_cls(config, self.pool)

@@ -34,10 +34,9 @@ class Cluster:
         ring_bytes: int = 16384,
         writes_per_peer: int = 2,
         device: str = "cpu",
-        max_write_bytes: int | None = None,  # None: AgentConfig's default
     ) -> None:
         self.bootstrap = BootstrapServer().start()
-        self.writes_per_peer, self.device, self.max_write_bytes = writes_per_peer, device, max_write_bytes
+        self.writes_per_peer, self.device = writes_per_peer, device
         self.prefill_tp, self.decode_tp = prefill_tp, decode_tp
         self.prefill = [self._agent(PrefillAgent, "P", prefill_tp, r, layout, ring_bytes) for r in range(prefill_tp)]
         self.decode = [self._agent(DecodeAgent, "D", decode_tp, r, LAYOUT, ring_bytes) for r in range(decode_tp)]
@@ -55,7 +54,6 @@ class Cluster:
             ring_bytes=ring_bytes,
             staging_bytes=ring_bytes,
             writes_per_peer=self.writes_per_peer,
-            **({} if self.max_write_bytes is None else {"max_write_bytes": self.max_write_bytes}),
         )
         return cls(config, pool).start()
 
@@ -92,10 +90,8 @@ def _wait(agent, count: int, timeout: float = 20.0) -> dict[int, RoomOutcome]:
     return got
 
 
-def _run_room(cluster: Cluster, room: int, num_tokens: int, prefix: int = 0, hold_prefill_pages: bool = True) -> dict:
-    """Fill prefill pools with random KV, hand the room off, return the pages used on each side.
-
-    `hold_prefill_pages=False` frees each prefill rank's pages before `kv_ready`, so its gathers fail."""
+def _run_room(cluster: Cluster, room: int, num_tokens: int, prefix: int = 0) -> dict:
+    """Fill prefill pools with random KV, hand the room off, return the pages used on each side."""
     kv = torch.randint(0, 256, (2, LAYOUT.num_layers, num_tokens, LAYOUT.num_kv_heads, LAYOUT.head_bytes)).to(
         torch.uint8
     )
@@ -111,8 +107,6 @@ def _run_room(cluster: Cluster, room: int, num_tokens: int, prefix: int = 0, hol
         heads = heads_of_rank(LAYOUT.num_kv_heads, cluster.prefill_tp, rank)
         slots = agent.pool.slot_indices(pages, 0, num_tokens)
         _byte_view(agent.pool).index_copy_(2, slots, kv[:, :, :, heads.start : heads.stop].to(agent.pool.device))
-        if not hold_prefill_pages:
-            agent.pool.allocator.free(pages)
         agent.attach_room(room, num_tokens, cluster.decode_tp, timeout_s=20)
         agent.compute_scheduled(room, num_tokens)
         agent.kv_ready(room, num_tokens, tuple(pages))
@@ -128,14 +122,9 @@ def _assert_landed(cluster: Cluster, sides: dict, prefix: int) -> None:
         assert torch.equal(got, kv[:, :, prefix:, heads.start : heads.stop])
 
 
-#: Chunks written whole (the default limit is far above the test layout's blocks), or a few K/V layers per piece.
-PIECES = pytest.mark.parametrize("max_write_bytes", [None, 700], ids=["whole", "pieces"])
-
-
-@PIECES
 @pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 1), (1, 2), (4, 2)])
-def test_rooms_land_bit_exact_and_leave_the_ring_empty(make_cluster, prefill_tp, decode_tp, max_write_bytes):
-    cluster = make_cluster(prefill_tp, decode_tp, max_write_bytes=max_write_bytes)
+def test_rooms_land_bit_exact_and_leave_the_ring_empty(make_cluster, prefill_tp, decode_tp):
+    cluster = make_cluster(prefill_tp, decode_tp)
     rooms = {1: (37, 0), 2: (8, 0), 3: (50, 16)}
     sides = {room: _run_room(cluster, room, n, p) for room, (n, p) in rooms.items()}
     for agent in cluster.decode + cluster.prefill:
@@ -154,19 +143,14 @@ def test_rooms_land_bit_exact_and_leave_the_ring_empty(make_cluster, prefill_tp,
         assert agent.metrics.value("kvstage_transfer_throughput_bytes_per_second") > 0
 
 
-@pytest.mark.parametrize(("max_write_bytes", "pieces"), [(None, 1), (1024, 2), (512, 4)])
-def test_a_writer_keeps_at_most_its_window_of_transfers_in_flight_per_decode_peer(
-    make_cluster, max_write_bytes, pieces
-):
-    """Each chunk's 2048-byte block (4 K/V layers of 512 bytes) goes out whole or in pieces of whole layers, and a
-    window of 1 holds every piece until the one before it has landed."""
-    cluster = make_cluster(2, 1, ring_bytes=65536, writes_per_peer=1, max_write_bytes=max_write_bytes)
-    seen: list[tuple[int, int]] = []
+def test_a_writer_keeps_at_most_its_window_of_writes_in_flight_per_decode_peer(make_cluster):
+    cluster = make_cluster(2, 1, ring_bytes=65536, writes_per_peer=1)
+    seen: list[int] = []
     for agent in cluster.prefill:
         transport, submit = agent.transport, agent.transport.write_batch
 
         def counting(src, dst, slices, transport=transport, submit=submit):
-            seen.append((transport.in_flight, sum(n for _, _, n in slices)))  # in flight when this one goes out
+            seen.append(transport.in_flight)  # writes already in flight when this one goes out
             return submit(src, dst, slices)
 
         transport.write_batch = counting
@@ -175,10 +159,7 @@ def test_a_writer_keeps_at_most_its_window_of_transfers_in_flight_per_decode_pee
         assert all(o.ok for o in _wait(agent, 2).values())
     for room in sides:
         _assert_landed(cluster, sides[room], 0)
-    assert len(seen) == 2 * 2 * 8 * pieces and max(in_flight for in_flight, _ in seen) == 0
-    assert {nbytes for _, nbytes in seen} == {2048 // pieces}
-    ops = sum(agent.metrics.value("kvstage_transfer_ops_total") for agent in cluster.prefill)
-    assert ops == 2 * 2 * 8 * pieces
+    assert len(seen) == 2 * 2 * 8 and max(seen) == 0
 
 
 @pytest.mark.gpu
@@ -242,15 +223,11 @@ def test_compatible_instance_connects_and_returns_its_peer_ids(make_cluster):
     assert cluster.decode[1].connect("P", 4, timeout_s=5) == cluster.prefill_peers
 
 
-@PIECES
 @pytest.mark.parametrize("writes_per_peer", [1, 2])
-def test_failed_bulk_write_fails_the_room_with_a_reason_and_the_agents_keep_serving(
-    make_cluster, writes_per_peer, max_write_bytes
-):
+def test_failed_bulk_write_fails_the_room_with_a_reason_and_the_agents_keep_serving(make_cluster, writes_per_peer):
     """With a window of 1, the room's second write waits behind the first; it still goes out, fails and is
-    confirmed, so the ring is released and nothing stays queued. A write in pieces completes once, with the
-    first piece's failure."""
-    cluster = make_cluster(2, 1, writes_per_peer=writes_per_peer, max_write_bytes=max_write_bytes)
+    confirmed, so the ring is released and nothing stays queued."""
+    cluster = make_cluster(2, 1, writes_per_peer=writes_per_peer)
     decode = cluster.decode[0]
     decode.transport.unregister(decode.ring_region)  # the ring's memory is gone: every write into it fails
     _run_room(cluster, 4, 16)
@@ -264,32 +241,6 @@ def test_failed_bulk_write_fails_the_room_with_a_reason_and_the_agents_keep_serv
     for agent in cluster.prefill:
         assert agent._thread.is_alive()
         assert agent.wait_quiescent(5) and agent.snapshot().writes_waiting == 0
-        assert agent._slab.live_bytes == 0
-
-
-@PIECES
-def test_a_chunk_whose_pages_cannot_be_gathered_fails_its_room_once_and_frees_its_staging(
-    make_cluster, caplog, max_write_bytes
-):
-    cluster = make_cluster(2, 1, max_write_bytes=max_write_bytes)
-    sides = _run_room(cluster, 1, 8, hold_prefill_pages=False)  # KV ready in pages the pool does not hold
-    reasons = [_wait(agent, 1)[1].reason for agent in cluster.prefill]
-    assert "transfer failed" in reasons and set(reasons) <= {"transfer failed", "aborted by decode"}
-    assert not _wait(cluster.decode[0], 1)[1].ok
-    logged = [r.getMessage() for r in caplog.records if "gather failed" in r.getMessage()]
-    writers = [message.split(":")[0] for message in logged]
-    assert writers and len(set(writers)) == len(writers), "each writer's one write completes once, in any pieces"
-    assert all("are not allocated" in message for message in logged)
-    for agent in cluster.prefill:
-        assert agent.wait_quiescent(5) and agent._slab.live_bytes == 0
-        assert agent._thread.is_alive()
-    assert cluster.decode[0].wait_quiescent(5) and cluster.decode[0].snapshot().ring_live_bytes == 0
-    for agent, pages in zip(cluster.prefill, sides["prefill"], strict=True):
-        agent.pool.allocator.allocate(len(pages), 2)  # the pool is whole again; a normal room goes through
-    sides = _run_room(cluster, 2, 24)
-    for agent in cluster.decode + cluster.prefill:
-        assert _wait(agent, 1)[2].ok
-    _assert_landed(cluster, sides, 0)
 
 
 def _same_record(record: PeerRecord) -> PeerRecord:

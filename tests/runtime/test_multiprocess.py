@@ -2,10 +2,9 @@
 
 For each backend (local, mooncake, nixl) and TP pair (P=2->D=1, P=1->D=2, P=4->D=2): 200 rooms of random sizes,
 10% aborted (half by decode, half by prefill), run by separate prefill and decode processes
-(runtime_worker.py); writers send each chunk in pieces of a few K/V layers. Every room ends; every room that
-was not aborted succeeds; each decode rank's digest of every succeeded room equals the digest the prefill ranks
-took of the same heads before sending; afterwards every decode ring is empty and every KV page on both sides is
-back in its pool. Matched TP (P=D=2) rooms take the
+(runtime_worker.py). Every room ends; every room that was not aborted succeeds; each decode rank's digest of
+every succeeded room equals the digest the prefill ranks took of the same heads before sending; afterwards every
+decode ring is empty and every KV page on both sides is back in its pool. Matched TP (P=D=2) rooms take the
 direct path on the backends that can export engine memory (mooncake, nixl), checked the same way.
 
 The crash test kills one prefill rank with SIGKILL while its rooms are mid-transfer: those rooms fail on decode
@@ -61,7 +60,6 @@ class Cluster:
             "max_tokens": 64,
             "chunk_tokens": 16,
             "ring_bytes": 64 * 1024,
-            "max_write_bytes": 1024,  # each staged block goes out in 2-4 pieces of whole K/V layers
             "concurrency": 16,
             "abort_fraction": 0.1,
             "room_timeout_s": 60.0,

@@ -73,7 +73,6 @@ class BenchConfig:
     device: str = "cpu"
     ring_chunks: int = 4
     writes_per_peer: int = 2
-    max_write_bytes: int = 4 * 2**20
     batch_slices: int = 4096
     timeout_s: float = 300.0
     seed: int = 20261129
@@ -83,7 +82,7 @@ class BenchConfig:
             raise ConfigError(f"--backend {self.backend!r} is unknown; choose one of {', '.join(BACKENDS)}")
         for name in (
             "prefill_tp", "decode_tp", "tokens", "concurrency", "repeats", "batch_slices", "ring_chunks",
-            "writes_per_peer", "max_write_bytes",
+            "writes_per_peer",
         ):  # fmt: skip
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:

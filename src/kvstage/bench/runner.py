@@ -128,7 +128,6 @@ class BenchResult:
             "device": c.device,
             "ring_chunks": c.ring_chunks,
             "writes_per_peer": c.writes_per_peer,
-            "max_write_bytes": c.max_write_bytes,
             "verified": list(self.checks),
             "staged_stages_s": self.staged_stages(),
         }

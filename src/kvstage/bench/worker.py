@@ -173,7 +173,6 @@ class _Rank:
             timing=BENCH_TIMING,
             chunk_tokens=self.config.chunk_tokens,
             writes_per_peer=self.config.writes_per_peer,
-            max_write_bytes=self.config.max_write_bytes,
         )
 
     def close(self) -> None:

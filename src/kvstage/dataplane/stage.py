@@ -24,9 +24,6 @@ every writer of a chunk arrived), the simulator, the demo and the benchmarks.
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Sequence
-
 import torch
 
 from kvstage.dataplane.pool import WORD_DTYPES, KVPool, Pages
@@ -74,15 +71,14 @@ def _word_bytes(head_bytes: int, region: torch.Tensor) -> int:
 def _views(
     pool: KVPool, staging: torch.Tensor, offset: int, num_tokens: int, head_start: int, num_heads: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(pool head slice `[2L, slots, heads, words]`, block `[2L, tokens, heads, words]`), same word dtype; row
-    `kv * L + layer` is K (kv=0) or V (kv=1) of one layer, in block order.
+    """(pool head slice `[2, L, slots, heads, words]`, block `[2, L, tokens, heads, words]`), same word dtype.
 
     Checks that the block fits the staging buffer before anything is copied.
     """
     region = _region(staging, offset, block_bytes(pool, num_tokens, num_heads), pool.device)
     word = _word_bytes(pool.layout.head_bytes, region)
-    heads = pool.words(word)[:, :, :, head_start : head_start + num_heads].flatten(0, 1)
-    shape = (2 * pool.layout.num_layers, num_tokens, num_heads, pool.layout.head_bytes // word)
+    heads = pool.words(word)[:, :, :, head_start : head_start + num_heads]
+    shape = (2, pool.layout.num_layers, num_tokens, num_heads, pool.layout.head_bytes // word)
     return heads, region.view(WORD_DTYPES[word]).view(shape)
 
 
@@ -111,64 +107,17 @@ def gather_slots(
     num_heads: int,
     staging: torch.Tensor,
     offset: int,
-    rows: range | None = None,
 ) -> int:
     """`gather` for slots already returned by `pool.slot_indices`: one kernel, no page validation.
 
-    For hot paths that validate a request's pages once and reuse its slot indices for every chunk. `rows`
-    (a `WriterBlock.pieces` run of K/V layers) gathers only those layers of the block at `offset`, into their
-    place in it; by default the whole block. Returns the bytes written.
+    For hot paths that validate a request's pages once and reuse its slot indices for every chunk.
     """
     src, block = _views(pool, staging, offset, slots.numel(), head_start, num_heads)
-    if rows is not None:
-        if not 0 <= rows.start < rows.stop <= block.shape[0] or rows.step != 1:
-            raise InvalidRequest(f"rows {rows} are not a run of the block's {block.shape[0]} K/V layers")
-        src, block = src[rows.start : rows.stop], block[rows.start : rows.stop]
     if block.device == src.device:
-        torch.index_select(src, 1, slots, out=block)
+        torch.index_select(src, 2, slots, out=block)
     else:  # host staging of a device pool: gather on the device, one copy down (returns once it has landed)
-        block.copy_(torch.index_select(src, 1, slots))
+        block.copy_(torch.index_select(src, 2, slots))
     return block.numel() * block.element_size()
-
-
-def gather_pieces(
-    pool: KVPool,
-    slots: torch.Tensor,
-    head_start: int,
-    num_heads: int,
-    staging: torch.Tensor,
-    offset: int,
-    pieces: Sequence[range],
-) -> list[Callable[[], int]]:
-    """Gather the block at `offset` piece by piece (`WriterBlock.pieces` runs of K/V layers): one callable per
-    piece, to be called in order, each returning that piece's bytes once they are in `staging`.
-
-    Host staging of a device pool: the first call selects the whole block on the device once and queues every
-    piece's copy down; each call then waits for its own piece only, so the first piece is in host memory after
-    one select and a fraction of the copy. Otherwise each call gathers its piece (`gather_slots` with `rows`).
-    """
-    src, block = _views(pool, staging, offset, slots.numel(), head_start, num_heads)
-    for rows in pieces:
-        if not 0 <= rows.start < rows.stop <= block.shape[0] or rows.step != 1:
-            raise InvalidRequest(f"rows {rows} are not a run of the block's {block.shape[0]} K/V layers")
-    if block.device == src.device:
-        return [functools.partial(gather_slots, pool, slots, head_start, num_heads, staging, offset, r) for r in pieces]
-    landed: list[torch.cuda.Event] = []
-
-    def wait(index: int) -> int:
-        if not landed:  # the first call: select once, queue every piece's copy (the stream keeps `selected`)
-            selected = torch.index_select(src, 1, slots)
-            events = []
-            for rows in pieces:
-                block[rows.start : rows.stop].copy_(selected[rows.start : rows.stop], non_blocking=True)
-                events.append(torch.cuda.Event())  # type: ignore[no-untyped-call]
-                events[-1].record()
-            landed.extend(events)
-        landed[index].synchronize()
-        rows = pieces[index]
-        return block[rows.start : rows.stop].numel() * block.element_size()
-
-    return [functools.partial(wait, index) for index in range(len(pieces))]
 
 
 def scatter(
@@ -209,7 +158,7 @@ def _queue_scatter(
     """Queue one block's scatter on the current stream; the caller waits with `_wait_landed` before the staging
     bytes may change. Host staging of a device pool: one copy up (not waited for), then the scatter kernel."""
     dst, block = _views(pool, staging, offset, slots.numel(), head_start, num_heads)
-    dst.index_copy_(1, slots, block.to(dst.device, non_blocking=True))
+    dst.index_copy_(2, slots, block.to(dst.device, non_blocking=True))
     return block.numel() * block.element_size()
 
 

@@ -108,11 +108,8 @@ class AgentConfig:
     ring_bytes: int = 0
     ring_alignment: int = 64
     staging_bytes: int = 64 * 2**20
-    #: Prefill: transfers in flight per decode peer; more wait in order (see PrefillAgent._enqueue).
+    #: Prefill: writes in flight per decode peer; more wait in order (see PrefillAgent._enqueue_write).
     writes_per_peer: int = 2
-    #: Prefill: a staged chunk's block is gathered and written in pieces of whole K/V layers of at most this many
-    #: bytes (a single larger layer is a piece of its own), each written as soon as it is gathered.
-    max_write_bytes: int = 4 * 2**20
     max_inbox: int = 65536
     max_pending_sends: int = 1024
     resolve_refresh_s: float = 1.0

@@ -1,18 +1,16 @@
 """`PrefillAgent`: the prefill rank's agent. It gathers granted chunks and writes them to decode peers.
 
 Owns: the local source staging buffer (allocated from the data transport, managed by a `StagingRing`), the imported
-rings and pools of decode peers keyed by the decode session that published them, and the transfers in flight, at
-most `AgentConfig.writes_per_peer` per decode peer (the rest wait in order). Staged path: gather the chunk's heads
-into a staging slot on the copy thread, in pieces of whole K/V layers of at most `AgentConfig.max_write_bytes`,
-and bulk-write each piece into the decode ring as soon as it is gathered. Direct path (matched TP): one transfer
-with a run per contiguous part of each (layer, K/V, page) slice, straight into the decode pool.
+rings and pools of decode peers keyed by the decode session that published them, and the writes in flight, at most
+`AgentConfig.writes_per_peer` per decode peer (the rest wait in order). Staged path: gather the chunk's heads into a
+staging slot on the copy thread, then one bulk write into the decode ring. Direct path (matched TP): one write per
+contiguous run of each (layer, K/V, page) slice, straight into the decode pool.
 
 Invariants: a gather starts only once its staging slot no longer overlaps a write still in flight; a write goes
 only into memory of the decode session that granted it (`dst_session`), never into the ring or pool of a
 restarted incarnation (a grant from a newer session waits, bounded by the liveness timeout, for that session's
-record); every write ends in exactly one Completion, queued ones included, once every piece of it has ended (a
-transfer's end frees its peer's window for the next); its staging slot is freed only then. Called by prefill
-engines through `kvstage.runtime`.
+record); every write ends in exactly one Completion, queued ones included (a completion frees its peer's window
+for the next). Called by prefill engines through `kvstage.runtime`.
 """
 
 from __future__ import annotations
@@ -20,11 +18,10 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
 
-from kvstage.dataplane import KVPool, PoolGeometry, SliceCopy, gather_pieces, plan_direct_slices
+from kvstage.dataplane import KVPool, PoolGeometry, SliceCopy, gather, plan_direct_slices
 from kvstage.errors import ConfigError, KVStageError, StagingOversized
 from kvstage.layout import heads_of_rank
 from kvstage.protocol import (
@@ -60,30 +57,17 @@ NO_POOL = "the decode peer exported no KV pool for the direct path (the local ba
 
 @dataclass(slots=True)
 class _Write:
-    """One write the endpoint asked for: staged (a slot of the local staging buffer, written in pieces) or direct
-    (slices of the KV pool, one transfer). It completes once every piece has ended; the first failure is its
-    reason."""
+    """One write in flight: staged (a slot of the local staging buffer) or direct (slices of the KV pool)."""
 
     action: WriteRegion | WriteDirect
     remote: RemoteRegion
+    nbytes: int
     slot: Allocation | None = None
-    pending: int = 1  # pieces not ended yet: gathering, waiting for the window, or in flight
-    failure: str = ""
-    gathers: list[Callable[[], int]] | None = None  # staged: one per piece, made by the first piece's job
-
-
-@dataclass(slots=True)
-class _Transfer:
-    """One transport transfer of a write: its (src, dst, length) runs from `source` into the write's remote."""
-
-    write: _Write
-    runs: list[tuple[int, int, int]]
-    source: LocalRegion
     started: float = 0.0
 
-    @property
-    def nbytes(self) -> int:
-        return sum(run[2] for run in self.runs)
+
+#: A write ready to go and waiting for its peer's window: the write, its (src, dst, length) runs, its source.
+_Ready = tuple[_Write, list[tuple[int, int, int]], LocalRegion]
 
 
 class PrefillAgent(BaseAgent):
@@ -97,18 +81,16 @@ class PrefillAgent(BaseAgent):
     def __init__(self, config: AgentConfig, pool: KVPool) -> None:
         if config.writes_per_peer < 1:
             raise ConfigError(f"writes_per_peer must be at least 1, got {config.writes_per_peer}")
-        if config.max_write_bytes < 1:
-            raise ConfigError(f"max_write_bytes must be at least 1, got {config.max_write_bytes}")
         super().__init__(config, pool)
         # decode peer -> (its session, its ring) and (its session, its KV pool, the pool's geometry)
         self._rings: dict[str, tuple[int, RemoteRegion]] = {}
         self._pools: dict[str, tuple[int, RemoteRegion, PoolGeometry]] = {}
         self._slab = StagingRing(config.staging_bytes, 64)
         self._waiting: deque[_Write] = deque()
-        self._in_flight: dict[int, _Transfer] = {}  # transport transfer id -> transfer
-        self._gathering: dict[tuple[int, int], tuple[_Write, range]] = {}  # (token, piece) -> piece being gathered
+        self._in_flight: dict[int, _Write] = {}
+        self._gathering: dict[int, _Write] = {}  # action token -> staged write whose gather is running
         self._unresolved: list[tuple[float, WriteRegion | WriteDirect]] = []  # waiting for a newer decode record
-        self._queued: dict[str, deque[_Transfer]] = {}  # decode peer -> transfers waiting for its window
+        self._queued: dict[str, deque[_Ready]] = {}  # decode peer -> ready writes waiting for its window
         self.staging_region: LocalRegion
 
     # ---- engine-facing -----------------------------------------------------------------------------------
@@ -245,7 +227,7 @@ class PrefillAgent(BaseAgent):
         except StagingOversized as exc:
             self._complete(action.token, False, f"local staging: {exc}")
             return
-        self._waiting.append(_Write(action, remote, slot))
+        self._waiting.append(_Write(action, remote, action.block.nbytes, slot))
         self._start_ready_writes()
 
     def _start_ready_writes(self) -> None:
@@ -260,55 +242,27 @@ class PrefillAgent(BaseAgent):
         self._waiting = still
 
     def _start_staged(self, write: _Write) -> None:
-        """Gather each piece on the copy thread, in block order; a piece's write starts when its gather is done
-        (`_copy_done`)."""
-        action = write.action
-        assert isinstance(action, WriteRegion)
-        pieces = action.block.pieces(self.config.max_write_bytes)
-        write.pending = len(pieces)
-        for index, rows in enumerate(pieces):
-            self._gathering[action.token, index] = (write, rows)
-            self.copier.submit((action.token, index), self._gather_job(write, pieces, index))
-
-    def _gather_job(self, write: _Write, pieces: tuple[range, ...], index: int) -> Callable[[], int]:
+        """Gather on the copy thread; the bulk write starts when the gather is done (`_copy_done`)."""
         action = write.action
         assert isinstance(action, WriteRegion) and write.slot is not None
         transfer, staging, offset = action.block.transfer, self.staging_region.tensor, write.slot.offset
+        self._gathering[action.token] = write
 
         def job() -> int:
-            if write.gathers is None:  # the first piece (jobs run in order): check the pages and heads once
-                self.pool.geometry.check_heads(transfer.src_head_start, transfer.num_heads)
-                slots = self.pool.slot_indices(action.src_pages, 0, action.num_tokens)
-                heads = (transfer.src_head_start, transfer.num_heads)
-                write.gathers = gather_pieces(self.pool, slots, *heads, staging, offset, pieces)
-            return write.gathers[index]()
+            heads = (transfer.src_head_start, transfer.num_heads)
+            return gather(self.pool, action.src_pages, 0, action.num_tokens, *heads, staging, offset)
 
-        return job
+        self.copier.submit(action.token, job)
 
     def _copy_done(self, done: CopyDone) -> None:
-        write, rows = self._gathering.pop(cast(tuple[int, int], done.key))
+        write = self._gathering.pop(cast(int, done.key))
         assert isinstance(write.action, WriteRegion) and write.slot is not None
         if not done.ok:
-            self._piece_ended(write, f"gather failed: {done.reason}")
+            self._slab.free(write.slot)
+            self._complete(write.action.token, False, f"gather failed: {done.reason}")
             return
         self.metrics.copy_done("gather", done.seconds)
-        if write.failure:  # an earlier piece failed: the write fails, nothing more of it goes out
-            self._piece_ended(write, "")
-            return
-        layer_bytes = write.action.block.layer_bytes
-        start, nbytes = rows.start * layer_bytes, len(rows) * layer_bytes
-        run = (write.slot.offset + start, write.action.dst_offset + start, nbytes)
-        self._enqueue(_Transfer(write, [run], self.staging_region))
-
-    def _piece_ended(self, write: _Write, failure: str) -> None:
-        """One piece of `write` ended (`failure` says why it failed, if it did); the last one completes it."""
-        write.failure = write.failure or failure
-        write.pending -= 1
-        if write.pending:
-            return
-        if write.slot is not None:
-            self._slab.free(write.slot)
-        self._complete(write.action.token, not write.failure, write.failure)
+        self._enqueue_write(write, [(write.slot.offset, write.action.dst_offset, write.nbytes)], self.staging_region)
 
     def _write_direct(self, action: WriteDirect, remote: RemoteRegion) -> None:
         """One operation per contiguous run of each (layer, K/V, page) slice, page to page."""
@@ -324,56 +278,48 @@ class PrefillAgent(BaseAgent):
             self._complete(action.token, False, f"direct plan failed: {exc}")
             return
         runs = [run for s in slices for run in _contiguous_runs(s)]
-        self._enqueue(_Transfer(_Write(action, remote), runs, self.pool_region))
+        self._enqueue_write(_Write(action, remote, sum(run[2] for run in runs)), runs, self.pool_region)
 
-    def _enqueue(self, transfer: _Transfer) -> None:
-        """Submit `transfer` now if its decode peer's window has room, else queue it behind the peer's others.
+    def _enqueue_write(self, write: _Write, runs: list[tuple[int, int, int]], source: LocalRegion) -> None:
+        """Submit `write` now if its decode peer's window has room, else queue it behind the peer's other writes.
 
-        The window (`AgentConfig.writes_per_peer` transfers) keeps the link busy while chunks still land one after
-        another, so decode scatters chunk k while chunk k+1 is on the wire; with every transfer in flight at once
-        they would share the link and all land at the end, leaving every scatter after the last byte. Pieces of
-        `AgentConfig.max_write_bytes` keep that true at the end of a room too: the last chunk lands a piece after
-        the one before it, not together with it."""
-        peer = transfer.write.action.peer
+        The window (`AgentConfig.writes_per_peer`) keeps the link busy while chunks still land one after another,
+        so decode scatters chunk k while chunk k+1 is on the wire; with every write in flight at once they would
+        share the link and all land at the end, leaving every scatter after the last byte."""
+        peer = write.action.peer
         if self._in_flight_to(peer) < self.config.writes_per_peer:
-            self._submit(transfer)
+            self._submit(write, runs, source)
         else:
-            self._queued.setdefault(peer, deque()).append(transfer)
+            self._queued.setdefault(peer, deque()).append((write, runs, source))
 
     def _in_flight_to(self, peer: str) -> int:
-        return sum(1 for transfer in self._in_flight.values() if transfer.write.action.peer == peer)
+        return sum(1 for write in self._in_flight.values() if write.action.peer == peer)
 
-    def _submit(self, transfer: _Transfer) -> None:
-        transfer.started = time.perf_counter()
+    def _submit(self, write: _Write, runs: list[tuple[int, int, int]], source: LocalRegion) -> None:
+        write.started = time.perf_counter()
         self.metrics.transfer_started()
-        self._in_flight[self.transport.write_batch(transfer.source, transfer.write.remote, transfer.runs)] = transfer
+        self._in_flight[self.transport.write_batch(source, write.remote, runs)] = write
 
     def _submit_queued(self, peer: str) -> None:
-        """A transfer to `peer` ended (and left `_in_flight`): submit queued transfers while its window has room.
-        Pieces of a write that has already failed are dropped (they end at once) rather than sent."""
+        """A write to `peer` ended (and left `_in_flight`): submit its next queued write, if any."""
         queued = self._queued.get(peer)
-        while queued and self._in_flight_to(peer) < self.config.writes_per_peer:
-            transfer = queued.popleft()
-            if transfer.write.failure:
-                self._piece_ended(transfer.write, "")
-            else:
-                self._submit(transfer)
-        if queued is not None and not queued:
-            self._queued.pop(peer, None)
+        if queued:
+            self._submit(*queued.popleft())
+            if not queued:
+                del self._queued[peer]
 
     def _poll_transport(self) -> None:
         for done in self.transport.poll():
             self._progressed()
-            transfer = self._in_flight.pop(done.transfer_id, None)
-            if transfer is None:
+            write = self._in_flight.pop(done.transfer_id, None)
+            if write is None:
                 log.error("%s: completion for unknown transfer %d", self.peer_id, done.transfer_id)
                 continue
-            failure = "" if done.ok else f"transfer failed: {done.reason}"
-            transfer.write.failure = transfer.write.failure or failure  # before its queued pieces are looked at
-            self._submit_queued(transfer.write.action.peer)
-            seconds = time.perf_counter() - transfer.started
-            self.metrics.transfer_finished(transfer.nbytes, seconds, done.ops, done.ok)
-            self._piece_ended(transfer.write, failure)
+            if write.slot is not None:
+                self._slab.free(write.slot)
+            self._submit_queued(write.action.peer)
+            self.metrics.transfer_finished(write.nbytes, time.perf_counter() - write.started, done.ops, done.ok)
+            self._complete(write.action.token, done.ok, "" if done.ok else f"transfer failed: {done.reason}")
 
     def _after_turn(self) -> None:
         if self._unresolved:
