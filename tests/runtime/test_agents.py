@@ -90,8 +90,10 @@ def _wait(agent, count: int, timeout: float = 20.0) -> dict[int, RoomOutcome]:
     return got
 
 
-def _run_room(cluster: Cluster, room: int, num_tokens: int, prefix: int = 0) -> dict:
-    """Fill prefill pools with random KV, hand the room off, return the pages used on each side."""
+def _run_room(cluster: Cluster, room: int, num_tokens: int, prefix: int = 0, hold_prefill_pages: bool = True) -> dict:
+    """Fill prefill pools with random KV, hand the room off, return the pages used on each side.
+
+    `hold_prefill_pages=False` frees each prefill rank's pages before `kv_ready`, so its gathers fail."""
     kv = torch.randint(0, 256, (2, LAYOUT.num_layers, num_tokens, LAYOUT.num_kv_heads, LAYOUT.head_bytes)).to(
         torch.uint8
     )
@@ -107,6 +109,8 @@ def _run_room(cluster: Cluster, room: int, num_tokens: int, prefix: int = 0) -> 
         heads = heads_of_rank(LAYOUT.num_kv_heads, cluster.prefill_tp, rank)
         slots = agent.pool.slot_indices(pages, 0, num_tokens)
         _byte_view(agent.pool).index_copy_(2, slots, kv[:, :, :, heads.start : heads.stop].to(agent.pool.device))
+        if not hold_prefill_pages:
+            agent.pool.allocator.free(pages)
         agent.attach_room(room, num_tokens, cluster.decode_tp, timeout_s=20)
         agent.compute_scheduled(room, num_tokens)
         agent.kv_ready(room, num_tokens, tuple(pages))
@@ -241,6 +245,31 @@ def test_failed_bulk_write_fails_the_room_with_a_reason_and_the_agents_keep_serv
     for agent in cluster.prefill:
         assert agent._thread.is_alive()
         assert agent.wait_quiescent(5) and agent.snapshot().writes_waiting == 0
+        assert agent._slab.live_bytes == 0
+
+
+def test_a_chunk_whose_pages_cannot_be_gathered_fails_its_room_with_the_reason_logged_and_frees_its_staging(
+    make_cluster, caplog
+):
+    cluster = make_cluster(2, 1)
+    sides = _run_room(cluster, 1, 8, hold_prefill_pages=False)  # KV "ready" in pages the pool does not hold
+    reasons = [_wait(agent, 1)[1].reason for agent in cluster.prefill]
+    assert "transfer failed" in reasons and set(reasons) <= {"transfer failed", "aborted by decode"}
+    assert not _wait(cluster.decode[0], 1)[1].ok
+    logged = [r.getMessage() for r in caplog.records if "gather failed" in r.getMessage()]
+    writers = [message.split(":")[0] for message in logged]
+    assert writers and len(set(writers)) == len(writers), "each writer's one write completes once"
+    assert all("are not allocated" in message for message in logged)
+    for agent in cluster.prefill:
+        assert agent.wait_quiescent(5) and agent._slab.live_bytes == 0
+        assert agent._thread.is_alive()
+    assert cluster.decode[0].wait_quiescent(5) and cluster.decode[0].snapshot().ring_live_bytes == 0
+    for agent, pages in zip(cluster.prefill, sides["prefill"], strict=True):
+        agent.pool.allocator.allocate(len(pages), 2)  # the pool is whole again; the next room goes through
+    sides = _run_room(cluster, 2, 24)
+    for agent in cluster.decode + cluster.prefill:
+        assert _wait(agent, 1)[2].ok
+    _assert_landed(cluster, sides, 0)
 
 
 def _same_record(record: PeerRecord) -> PeerRecord:
