@@ -9,6 +9,7 @@ from kvstage.dataplane import (
     KVPool,
     PageAllocator,
     PoolGeometry,
+    SliceCopy,
     StagingBuffer,
     gather,
     gather_block,
@@ -191,3 +192,11 @@ def test_direct_slices_are_strided_rows_unless_the_run_covers_whole_slots() -> N
         PoolGeometry(LAYOUT, 2, 6), PoolGeometry(LAYOUT, 2, 6), plan_head_transfers(4, 2, 2)[0], [3], [5], 0, 4
     )
     assert all(s.contiguous and s.writes == 1 for s in whole)
+
+
+def test_a_slice_is_one_write_when_both_sides_are_contiguous_else_one_per_row() -> None:
+    assert SliceCopy(100, 900, 64, 3, 64, 64).runs() == [(100, 900, 192)]
+    assert SliceCopy(100, 900, 64, 1, 256, 512).runs() == [(100, 900, 64)]
+    strided = SliceCopy(100, 900, 64, 3, 128, 256)
+    assert strided.runs() == [(100, 900, 64), (228, 1156, 64), (356, 1412, 64)]
+    assert len(strided.runs()) == strided.writes and sum(n for _, _, n in strided.runs()) == strided.nbytes

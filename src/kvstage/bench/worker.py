@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from kvstage.bench.config import BenchConfig
-from kvstage.dataplane import KVPool, PoolGeometry, SliceCopy, plan_direct_slices
+from kvstage.dataplane import KVPool, PoolGeometry, plan_direct_slices
 from kvstage.layout import HeadTransfer, heads_of_rank, plan_head_transfers, plan_staging
 from kvstage.protocol import Timing
 from kvstage.runtime import AgentConfig, DecodeAgent, PrefillAgent, peer_id
@@ -306,7 +306,7 @@ class PrefillRank(_Rank):
             copies = plan_direct_slices(
                 self.pool.geometry, dst, t, self.pages[slot], dst_pages[t.decode_rank][slot], 0, self.config.tokens
             )
-            out.append((self.remotes[t.decode_rank], [w for c in copies for w in _contiguous_writes(c)], len(copies)))
+            out.append((self.remotes[t.decode_rank], [w for c in copies for w in c.runs()], len(copies)))
         return out
 
     def _decode_heads(self, t: HeadTransfer) -> range:
@@ -380,16 +380,6 @@ def split_evenly(nbytes: int, parts: int) -> list[tuple[int, int]]:
     """(start, length) of `parts` consecutive pieces of `nbytes` bytes, as equal as 64-byte alignment allows."""
     step = -(-nbytes // parts // 64) * 64
     return [(start, min(step, nbytes - start)) for start in range(0, nbytes, step)]
-
-
-def _contiguous_writes(copy: SliceCopy) -> list[Slice]:
-    """The contiguous writes of one slice: itself if contiguous, else one per row."""
-    if copy.contiguous:
-        return [(copy.src_offset, copy.dst_offset, copy.nbytes)]
-    return [
-        (copy.src_offset + r * copy.src_stride, copy.dst_offset + r * copy.dst_stride, copy.row_bytes)
-        for r in range(copy.rows)
-    ]
 
 
 def worker_main(

@@ -53,6 +53,15 @@ class SliceCopy:
         """Contiguous writes a transport without strided writes issues for this slice."""
         return 1 if self.contiguous else self.rows
 
+    def runs(self) -> list[tuple[int, int, int]]:
+        """Those writes, as (src offset, dst offset, length): the whole slice if contiguous, else one per row."""
+        if self.contiguous:
+            return [(self.src_offset, self.dst_offset, self.nbytes)]
+        return [
+            (self.src_offset + i * self.src_stride, self.dst_offset + i * self.dst_stride, self.row_bytes)
+            for i in range(self.rows)
+        ]
+
 
 def plan_direct_slices(
     src: PoolGeometry,

@@ -21,7 +21,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, cast
 
-from kvstage.dataplane import KVPool, PoolGeometry, SliceCopy, gather, plan_direct_slices
+from kvstage.dataplane import KVPool, PoolGeometry, gather, plan_direct_slices
 from kvstage.errors import ConfigError, KVStageError, StagingOversized
 from kvstage.layout import heads_of_rank
 from kvstage.protocol import (
@@ -277,7 +277,7 @@ class PrefillAgent(BaseAgent):
         except KVStageError as exc:
             self._complete(action.token, False, f"direct plan failed: {exc}")
             return
-        runs = [run for s in slices for run in _contiguous_runs(s)]
+        runs = [run for s in slices for run in s.runs()]
         self._enqueue_write(_Write(action, remote, sum(run[2] for run in runs)), runs, self.pool_region)
 
     def _enqueue_write(self, write: _Write, runs: list[tuple[int, int, int]], source: LocalRegion) -> None:
@@ -342,13 +342,3 @@ class PrefillAgent(BaseAgent):
             pending_sends=base.pending_sends,
             stats=stats,
         )
-
-
-def _contiguous_runs(copy: SliceCopy) -> list[tuple[int, int, int]]:
-    """(src, dst, length) byte runs of one slice: one if both sides are contiguous, else one per row."""
-    if copy.contiguous:
-        return [(copy.src_offset, copy.dst_offset, copy.nbytes)]
-    return [
-        (copy.src_offset + i * copy.src_stride, copy.dst_offset + i * copy.dst_stride, copy.row_bytes)
-        for i in range(copy.rows)
-    ]
