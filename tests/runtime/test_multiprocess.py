@@ -99,6 +99,15 @@ class Cluster:
         missing = [p.name for p in paths if not p.exists()]
         pytest.fail(f"no report {missing} after {timeout_s}s:\n" + "\n".join(self.log_tail(n) for n in self.procs))
 
+    def wait_for(self, done: Callable[[], bool], what: str, timeout_s: float = 60) -> None:
+        """Poll `done` until it holds; fail naming `what`, with every worker's log, if it has not after `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        while not done():
+            if time.monotonic() > deadline:
+                logs = "\n".join(self.log_tail(n) for n in self.procs)
+                pytest.fail(f"{what}: not seen after {timeout_s}s:\n{logs}")
+            time.sleep(0.05)
+
     def log_tail(self, name: str) -> str:
         return f"--- {name}\n" + (self.tmp / f"{name}.log").read_text()[-3000:]
 
@@ -179,18 +188,15 @@ def _crash_cluster(tmp: Path, backend: str) -> Cluster:
     return Cluster(tmp, backend, max_tokens=96, abort_fraction=0.0, timing=timing)
 
 
-def _wait_until(done: Callable[[], bool], timeout_s: float = 60) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not done() and time.monotonic() < deadline:
-        time.sleep(0.05)
-
-
 def _session_of(cluster: Cluster, peer: str) -> int:
     return next(r.session for r in cluster.bootstrap.records() if r.peer_id == peer)
 
 
 def _wait_for_new_session(cluster: Cluster, peer: str, old_session: int) -> None:
-    _wait_until(lambda: any(r.peer_id == peer and r.session != old_session for r in cluster.bootstrap.records()))
+    cluster.wait_for(
+        lambda: any(r.peer_id == peer and r.session != old_session for r in cluster.bootstrap.records()),
+        f"{peer} registered with a new session",
+    )
 
 
 def _kill_and_restart(
@@ -291,7 +297,7 @@ def test_killed_prefill_rank_fails_its_rooms_as_peer_dead_and_a_restarted_rank_s
         # p1 writes the first chunk of each room and then stalls, leaving every room mid-transfer
         hold = {"first_room": 0, "rooms": 8, "hold_after_first_chunk": True, "marker": str(held)}
         cluster.spawn("p1", "prefill", 2, 1, 1, [hold])
-        _wait_until(held.exists)
+        cluster.wait_for(held.exists, "p1 holding its rooms after their first chunk")
         killed_at, reports, after = _kill_and_restart(
             cluster, "p1", "P/1", [tmp_path / "d0-crash.report", tmp_path / "p0-crash.report"], 60,
             ("p1-restarted", "prefill", 2, 1, 1, [_phase(tmp_path, "p1", 100, 20)]),
@@ -321,7 +327,7 @@ def test_killed_decode_rank_fails_its_rooms_as_peer_dead_on_every_writer_and_a_r
         # p1 writes the first chunk of each room and then stalls, leaving every room mid-transfer on decode
         hold = _phase(tmp_path, "p1-crash", 0, 8, hold_after_first_chunk=True, marker=str(held))
         cluster.spawn("p1", "prefill", 2, 1, 1, [hold, _phase(tmp_path, "p1", 100, 20, wait_for=str(phase2))])
-        _wait_until(held.exists)
+        cluster.wait_for(held.exists, "p1 holding its rooms after their first chunk")
         killed_at, crash, after = _kill_and_restart(
             cluster, "d0", "D/0", [tmp_path / "p0-crash.report", tmp_path / "p1-crash.report"], 90,
             ("d0-restarted", "decode", 1, 0, 2, [_phase(tmp_path, "d0", 100, 20)]),
