@@ -10,16 +10,19 @@ room that succeeded. The test compares them: that is the bit-exact check across 
 
 Between phases a worker waits for a file to appear (the test creates it, e.g. after restarting a killed rank).
 After its last phase a worker waits for quiescence, writes its result JSON, and then stays alive (its peers may
-still need its acknowledgements) until its stdin is closed.
+still need its acknowledgements) until its stdin is closed. On SIGUSR1 it writes the Python stack of every thread
+to its log (the test asks for that when something stalls).
 """
 
 from __future__ import annotations
 
+import faulthandler
 import hashlib
 import json
 import logging
 import os
 import random
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -210,6 +213,7 @@ class Worker:
 
 def main() -> None:
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s {sys.argv[1]} %(name)s %(message)s")
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test asks for every thread's stack on a stall
     torch.set_num_threads(1)
     Worker(json.loads(Path(sys.argv[1]).read_text())).run()
     logging.warning("closed")

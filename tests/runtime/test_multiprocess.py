@@ -33,6 +33,8 @@ from kvstage.transport.bootstrap import BootstrapServer
 WORKER = Path(__file__).with_name("runtime_worker.py")
 LAYOUT = {"num_layers": 2, "num_kv_heads": 4, "head_dim": 16, "dtype": "bfloat16", "page_size": 4}
 SEED = 20261129
+#: How much of each worker's log a stall shows: room for the stacks of every thread.
+STALL_LOG_CHARS = 12000
 
 
 def _backend_available(backend: str) -> bool:
@@ -97,19 +99,28 @@ class Cluster:
                     pytest.fail(f"worker {name} exited with {proc.returncode}:\n{self.log_tail(name)}")
             time.sleep(0.05)
         missing = [p.name for p in paths if not p.exists()]
-        pytest.fail(f"no report {missing} after {timeout_s}s:\n" + "\n".join(self.log_tail(n) for n in self.procs))
+        pytest.fail(f"no report {missing} after {timeout_s}s:\n{self.stall_report()}")
 
     def wait_for(self, done: Callable[[], bool], what: str, timeout_s: float = 60) -> None:
         """Poll `done` until it holds; fail naming `what`, with every worker's log, if it has not after `timeout_s`."""
         deadline = time.monotonic() + timeout_s
         while not done():
             if time.monotonic() > deadline:
-                logs = "\n".join(self.log_tail(n) for n in self.procs)
-                pytest.fail(f"{what}: not seen after {timeout_s}s:\n{logs}")
+                pytest.fail(f"{what}: not seen after {timeout_s}s:\n{self.stall_report()}")
             time.sleep(0.05)
 
-    def log_tail(self, name: str) -> str:
-        return f"--- {name}\n" + (self.tmp / f"{name}.log").read_text()[-3000:]
+    def stall_report(self) -> str:
+        """Every worker's log, after each live worker wrote the Python stack of all its threads into it
+        (runtime_worker.py dumps them on SIGUSR1): a stall then shows where each process stood."""
+        live = [proc for proc in self.procs.values() if proc.poll() is None]
+        for proc in live:
+            proc.send_signal(signal.SIGUSR1)
+        if live:
+            time.sleep(1.0)
+        return "\n".join(self.log_tail(name, STALL_LOG_CHARS) for name in self.procs)
+
+    def log_tail(self, name: str, chars: int = 3000) -> str:
+        return f"--- {name}\n" + (self.tmp / f"{name}.log").read_text()[-chars:]
 
     def kill(self, name: str) -> None:
         self.procs[name].send_signal(signal.SIGKILL)
@@ -123,9 +134,10 @@ class Cluster:
             try:
                 proc.wait(30)
             except subprocess.TimeoutExpired:
+                report = self.stall_report()
                 proc.kill()
                 proc.wait(5)
-                pytest.fail(f"worker {name} did not exit after stdin closed:\n{self.log_tail(name)}")
+                pytest.fail(f"worker {name} did not exit after stdin closed:\n{report}")
         self.bootstrap.close()
 
 
