@@ -114,6 +114,27 @@ def test_scatter_refuses_pages_that_are_not_allocated() -> None:
         scatter(staging, 0, pool, pages, 0, 12, 0, 2)
 
 
+def test_a_request_looked_up_once_gives_each_chunk_the_slots_a_lookup_of_its_own_would() -> None:
+    pool = _pool(num_pages=8)
+    pages = pool.allocator.allocate(5)
+    looked_up = pool.request_slots(pages, 4, 19)  # a cached prefix of one page; 15 tokens to move
+    for start, end in ((4, 8), (8, 16), (16, 19), (5, 7), (4, 19)):
+        assert torch.equal(looked_up.range(start, end), pool.slot_indices(pages, start, end))
+    for start, end in ((0, 4), (3, 8), (16, 20), (8, 8)):
+        with pytest.raises(InvalidRequest, match="outside the looked-up range"):
+            looked_up.range(start, end)
+
+
+def test_a_request_looked_up_once_still_refuses_a_chunk_whose_pages_were_freed_since() -> None:
+    pool = _pool(num_pages=8)
+    pages = pool.allocator.allocate(4)
+    looked_up = pool.request_slots(pages, 0, 16)
+    pool.allocator.free(pages[2:3])
+    assert torch.equal(looked_up.range(0, 8), pool.slot_indices(pages, 0, 8))  # pages 0 and 1: still held
+    with pytest.raises(InvalidRequest, match=rf"pages \[{pages[2]}\] are not allocated"):
+        looked_up.range(4, 12)
+
+
 def test_gather_and_scatter_reject_head_ranges_outside_the_pool() -> None:
     pool, pages, staging = _staging_setup()
     for head_start, num_heads in ((1, 2), (2, 1), (-1, 1), (0, 0)):

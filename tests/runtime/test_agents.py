@@ -200,6 +200,23 @@ def test_aborted_room_fails_on_both_sides_and_decode_gets_its_pages_back(make_cl
     assert decode.metrics.value("kvstage_room_failures_total", reason="aborted by decode") == 1
 
 
+def test_decode_refuses_a_room_whose_pages_are_not_allocated_at_once_and_keeps_serving(make_cluster):
+    cluster = make_cluster(2, 1)
+    decode = cluster.decode[0]
+    pages = decode.pool.allocator.allocate(2, 1)
+    decode.pool.allocator.free(pages[1:])
+    decode.expect_room(1, cluster.prefill_peers, 8, 0, tuple(pages), timeout_s=20)
+    refused = _wait(decode, 1)[1]
+    assert not refused.ok and refused.reason.startswith("invalid request: ")
+    assert f"pages [{pages[1]}] are not allocated" in refused.reason and refused.pages == tuple(pages)
+    assert decode.metrics.value("kvstage_room_failures_total", reason="invalid request") == 1, "one bounded label"
+    decode.pool.allocator.free(pages[:1])
+    sides = _run_room(cluster, 2, 21)
+    assert all(outcome.ok for agent in cluster.decode + cluster.prefill for outcome in _wait(agent, 1).values())
+    _assert_landed(cluster, sides, 0)
+    assert decode.wait_quiescent(5), "no slots or ring space kept for either room"
+
+
 def test_room_times_out_when_its_prefill_rank_never_registers(make_cluster):
     cluster = make_cluster(1, 2)
     decode = cluster.decode[0]

@@ -6,7 +6,7 @@ and the benchmarks.
 """
 
 from kvstage.dataplane.direct import SliceCopy, copy_direct, plan_direct_slices, transfer_direct
-from kvstage.dataplane.pool import TORCH_DTYPES, KVPool, PageAllocator, PoolGeometry, torch_dtype
+from kvstage.dataplane.pool import TORCH_DTYPES, KVPool, PageAllocator, PoolGeometry, RequestSlots, torch_dtype
 from kvstage.dataplane.stage import (
     StagingBuffer,
     block_bytes,
@@ -16,6 +16,7 @@ from kvstage.dataplane.stage import (
     scatter,
     scatter_block,
     scatter_region,
+    scatter_region_slots,
     scatter_slots,
 )
 
@@ -24,6 +25,7 @@ __all__ = [
     "KVPool",
     "PageAllocator",
     "PoolGeometry",
+    "RequestSlots",
     "SliceCopy",
     "StagingBuffer",
     "block_bytes",
@@ -35,6 +37,7 @@ __all__ = [
     "scatter",
     "scatter_block",
     "scatter_region",
+    "scatter_region_slots",
     "scatter_slots",
     "torch_dtype",
     "transfer_direct",

@@ -9,7 +9,9 @@ Owns:
 
 Invariants: storage is a single contiguous allocation, `[2, num_layers, num_slots, num_heads, head_dim]`
 row-major, with slot = page * page_size + position in page; a page id is either free or held by exactly one
-owner; `slot_indices` only ever returns slots of pages that are currently allocated, distinct, and inside the pool.
+owner; `slot_indices` only ever returns slots of pages that are currently allocated, distinct, and inside the pool,
+and `RequestSlots.range` (a request's slots looked up once, sliced per chunk) checks again that its pages are
+still allocated.
 
 Called by dataplane.stage (gather/scatter), dataplane.direct (per-slice path), the reference engine and the
 runtime agents (which also allocate and free pages per request).
@@ -256,8 +258,14 @@ class KVPool:
         The slots are computed on the CPU (8 bytes per token); for a GPU pool they cross in one copy from
         page-locked memory that the caller does not wait for: it is ordered on the current stream before the
         kernels that use the slots. (A plain copy waits for the device; measured on an H200 host with three ranks
-        per GPU, that wait was 0.6-1.6 ms per call, longer than the 16 MiB gather it fed.)
+        per GPU, that wait was 0.6-1.6 ms per call, longer than the 16 MiB gather it fed.) A caller that copies one
+        request chunk by chunk should look its slots up once with `request_slots`.
         """
+        return self.request_slots(pages, token_start, token_end).slots
+
+    def request_slots(self, pages: Pages, token_start: int, token_end: int) -> RequestSlots:
+        """`slot_indices` of tokens `[token_start, token_end)`, kept with the pages they came from, so that each
+        chunk of the request takes a view (`RequestSlots.range`) instead of a lookup of its own."""
         used = self.geometry.used_pages(pages, token_start, token_end)
         self.allocator.check_held(used)
         page_size = self.layout.page_size
@@ -265,5 +273,37 @@ class KVPool:
         slots = (used.view(-1, 1) * page_size + torch.arange(page_size)).view(-1)
         slots = slots[first : first + token_end - token_start]
         if self.device.type == "cuda":
-            return slots.pin_memory().to(self.device, non_blocking=True)
-        return slots.to(self.device)
+            slots = slots.pin_memory().to(self.device, non_blocking=True)
+        else:
+            slots = slots.to(self.device)
+        return RequestSlots(self.allocator, page_size, token_start, token_end, used, slots)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class RequestSlots:
+    """The slots of tokens `[start, end)` of one request, looked up (and its pages validated) once.
+
+    A lookup costs a dozen small CPU ops and, for a GPU pool, a copy to the device: about 0.1 ms alone and
+    0.2-1.3 ms on an H200 host with six busy rank processes, more than the copy of a 16 MiB block it feeds. A
+    chunk's `range` is a view of `slots` plus one vectorised check that its pages are still allocated (the
+    engine may not free them before the request's outcome, and a copy never touches a freed page).
+    """
+
+    allocator: PageAllocator
+    page_size: int
+    start: int
+    end: int
+    pages: torch.Tensor  # CPU int64: the pages holding tokens [start, end), in token order
+    slots: torch.Tensor  # int64 on the pool's device, one per token of [start, end)
+
+    def range(self, token_start: int, token_end: int) -> torch.Tensor:
+        """Slots of tokens `[token_start, token_end)`, which must lie inside `[start, end)`."""
+        if not self.start <= token_start < token_end <= self.end:
+            raise InvalidRequest(
+                f"tokens [{token_start}, {token_end}) are outside the looked-up range [{self.start}, {self.end})"
+            )
+        base = self.start // self.page_size
+        self.allocator.check_held(
+            self.pages[token_start // self.page_size - base : -(-token_end // self.page_size) - base]
+        )
+        return self.slots[token_start - self.start : token_end - self.start]

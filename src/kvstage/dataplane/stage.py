@@ -1,8 +1,9 @@
 """Staged copies: gather a token range of a rank's KV into a writer block, and scatter a block back into a pool.
 
 Owns `gather` and `scatter` (one head range, one token range, any byte offset of a staging buffer), their
-plan-driven forms `gather_block` / `scatter_block` / `scatter_region`, and `StagingBuffer`, the byte buffer that a
-decode rank's `StagingRing` hands out regions of.
+plan-driven forms `gather_block` / `scatter_block` / `scatter_region` (and `scatter_region_slots`, for slots a caller
+looked up once per request), and `StagingBuffer`, the byte buffer that a decode rank's `StagingRing` hands out
+regions of.
 
 Block layout (see docs/layout.md): `[K layer 0..L-1 | V layer 0..L-1]`, each layer token-major
 `tokens x heads x head_dim`, i.e. a contiguous `[2, L, tokens, heads, head_dim]` array.
@@ -169,12 +170,12 @@ def _wait_landed(pool: KVPool) -> None:
         torch.cuda.current_stream(pool.device).synchronize()
 
 
-def _check_block(pool: KVPool, block: WriterBlock, chunk: Chunk) -> None:
-    expected = chunk.num_tokens * block.transfer.num_heads * pool.layout.head_bytes
+def _check_block(pool: KVPool, block: WriterBlock, num_tokens: int) -> None:
+    expected = num_tokens * block.transfer.num_heads * pool.layout.head_bytes
     if block.layer_bytes != expected:
         raise InvalidRequest(
             f"writer block of {block.layer_bytes} bytes per layer was planned for another chunk size or layout; "
-            f"chunk {chunk.index} with {chunk.num_tokens} tokens needs {expected}"
+            f"a chunk of {num_tokens} tokens needs {expected}"
         )
 
 
@@ -182,7 +183,7 @@ def gather_block(
     pool: KVPool, pages: Pages, chunk: Chunk, block: WriterBlock, staging: torch.Tensor, region_offset: int
 ) -> int:
     """Prefill side: gather `chunk` into `block` of the chunk's region, which starts at `region_offset`."""
-    _check_block(pool, block, chunk)
+    _check_block(pool, block, chunk.num_tokens)
     transfer = block.transfer
     return gather(
         pool,
@@ -200,7 +201,7 @@ def scatter_block(
     staging: torch.Tensor, region_offset: int, block: WriterBlock, pool: KVPool, pages: Pages, chunk: Chunk
 ) -> int:
     """Decode side: scatter `block` of the region at `region_offset` into `chunk`'s tokens of `pool`."""
-    _check_block(pool, block, chunk)
+    _check_block(pool, block, chunk.num_tokens)
     transfer = block.transfer
     return scatter(
         staging,
@@ -217,24 +218,38 @@ def scatter_block(
 def scatter_region(
     staging: torch.Tensor, region_offset: int, plan: StagingPlan, pool: KVPool, pages: Pages, chunk: Chunk
 ) -> int:
-    """Decode side: scatter every writer block of one chunk's region; one copy per writer, then one wait for all
-    of them. Returns bytes read.
+    """Decode side: scatter every writer block of one chunk's region into `chunk`'s tokens of `pages`; one copy
+    per writer, then one wait for all of them. Returns bytes read.
 
     Every block is checked before the first one is copied, so a bad plan writes nothing.
     """
-    if plan.layout != pool.layout or plan.num_tokens != chunk.num_tokens:
+    if plan.num_tokens != chunk.num_tokens:
         raise InvalidRequest(
-            f"plan for {plan.num_tokens} tokens of {plan.layout} does not match chunk {chunk.index} of "
-            f"{chunk.num_tokens} tokens in a pool of {pool.layout}"
+            f"plan for {plan.num_tokens} tokens does not match chunk {chunk.index} of {chunk.num_tokens} tokens"
         )
-    for block in plan.blocks:
-        _check_block(pool, block, chunk)
-        pool.geometry.check_heads(block.transfer.dst_head_start, block.transfer.num_heads)
-    _region(staging, region_offset, plan.total_bytes, pool.device)
-    slots = pool.slot_indices(pages, chunk.start, chunk.end)
+    return scatter_region_slots(staging, region_offset, plan, pool, pool.slot_indices(pages, chunk.start, chunk.end))
+
+
+def scatter_region_slots(
+    staging: torch.Tensor, region_offset: int, plan: StagingPlan, pool: KVPool, slots: torch.Tensor
+) -> int:
+    """`scatter_region` into `slots` (from `KVPool.request_slots(...).range`, one per token of the plan)."""
+    if plan.num_tokens != slots.numel():
+        raise InvalidRequest(f"plan for {plan.num_tokens} tokens cannot scatter into {slots.numel()} slots")
+    _check_region(staging, region_offset, plan, pool)
     nbytes = sum(
         _queue_scatter(staging, region_offset + b.offset, pool, slots, b.transfer.dst_head_start, b.transfer.num_heads)
         for b in plan.blocks
     )
     _wait_landed(pool)  # one wait for the whole region
     return nbytes
+
+
+def _check_region(staging: torch.Tensor, region_offset: int, plan: StagingPlan, pool: KVPool) -> None:
+    """Every block of `plan` fits `pool` and the region fits `staging`."""
+    if plan.layout != pool.layout:
+        raise InvalidRequest(f"plan for {plan.layout} does not match a pool of {pool.layout}")
+    for block in plan.blocks:
+        _check_block(pool, block, plan.num_tokens)
+        pool.geometry.check_heads(block.transfer.dst_head_start, block.transfer.num_heads)
+    _region(staging, region_offset, plan.total_bytes, pool.device)

@@ -83,6 +83,8 @@ log = logging.getLogger(__name__)
 BUSY_POLL_MIN_S = 0.0002
 BUSY_POLL_MAX_S = 0.004
 IDLE_POLL_S = 0.05
+#: The reason an engine call the agent refuses fails with (followed by ": " and what is wrong), and its metric label.
+INVALID_REQUEST = "invalid request"
 
 
 def peer_id(instance: str, rank: int) -> str:
@@ -462,7 +464,7 @@ class BaseAgent(ABC):
             while self._work:
                 current = self._work.popleft()
                 try:
-                    actions = self.endpoint.handle(current, time.monotonic())
+                    actions = self._handle(current)
                 except KVStageError as exc:
                     log.error("%s: endpoint rejected %r: %s", self.peer_id, current, exc)
                     self._reject_engine_call(current, str(exc))
@@ -470,6 +472,11 @@ class BaseAgent(ABC):
                 self._feed_actions(actions)
         finally:
             self._draining = False
+
+    def _handle(self, event: Any) -> list[Any]:
+        """The endpoint's actions for `event`; a `KVStageError` rejects an engine call (subclasses may check more
+        first)."""
+        return self.endpoint.handle(event, time.monotonic())
 
     def _feed_actions(self, actions: list[Any]) -> None:
         for action in actions:
@@ -479,7 +486,8 @@ class BaseAgent(ABC):
         room = getattr(event, "room", None)
         if isinstance(event, ExpectRoom | AttachRoom) and room is not None:
             pages = event.pages if isinstance(event, ExpectRoom) else ()
-            self._outcome(RoomOutcome(room, False, f"invalid request: {reason}", pages))
+            outcome = RoomOutcome(room, False, f"{INVALID_REQUEST}: {reason}", pages)
+            self._outcome(outcome, counted_as=INVALID_REQUEST)  # one metric label, whatever the details
 
     def _execute_common(self, action: Any) -> None:
         if isinstance(action, Send):
@@ -547,9 +555,9 @@ class BaseAgent(ABC):
         for envelope in self._pending_sends.pop(record.peer_id, deque()):
             self._send(record.peer_id, envelope)
 
-    def _outcome(self, outcome: RoomOutcome) -> None:
+    def _outcome(self, outcome: RoomOutcome, counted_as: str = "") -> None:
         if not outcome.ok:
-            self.metrics.room_failed(outcome.reason)
+            self.metrics.room_failed(counted_as or outcome.reason)
             log.info("%s: room %d failed: %s", self.peer_id, outcome.room, outcome.reason)
         self._outcomes.append(outcome)
 

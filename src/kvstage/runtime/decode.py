@@ -2,12 +2,14 @@
 
 Owns: the ring region (allocated from the data transport and published in the bootstrap record as "ring", which
 is how writers learn where to write), the registration of the engine's KV pool for direct-path writes ("pool",
-where the backend can export it), scatters in flight per room, and the pairing of RoomFailed with FreePages so a
-failed room's outcome reaches the engine only when its pages are truly free.
+where the backend can export it), each open room's decode slots (its pages checked and looked up once, at
+`expect_room`; every scatter of the room takes a view), scatters in flight per room, and the pairing of RoomFailed
+with FreePages so a failed room's outcome reaches the engine only when its pages are truly free.
 
 Invariants: a scatter runs on the copy thread and its ring region is freed (by the endpoint) only after its
 Completion; FenceScatter completes only once the room has no scatter in flight; a failed room is reported with
-its pages only after the endpoint released them (FreePages). Called by decode engines through `kvstage.runtime`.
+its pages only after the endpoint released them (FreePages); a room's slots are kept from its acceptance to its
+outcome, no longer. Called by decode engines through `kvstage.runtime`.
 """
 
 from __future__ import annotations
@@ -15,9 +17,9 @@ from __future__ import annotations
 import time
 from typing import Any, cast
 
-from kvstage.dataplane import KVPool, scatter_region
+from kvstage.dataplane import KVPool, RequestSlots, scatter_region_slots
 from kvstage.errors import ConfigError
-from kvstage.layout import Chunk
+from kvstage.layout import ChunkGrid
 from kvstage.protocol import (
     DecodeConfig,
     DecodeEndpoint,
@@ -52,6 +54,8 @@ class DecodeAgent(BaseAgent):
         self._freed: dict[int, tuple[int, ...]] = {}
         self._scatters: dict[int, int] = {}  # room -> scatters in flight on the copy thread
         self._fences: dict[int, list[int]] = {}  # room -> FenceScatter tokens waiting for those scatters
+        self._slots: dict[int, RequestSlots] = {}  # open room -> its decode slots, looked up at expect_room
+        self._grid = ChunkGrid(config.chunk_tokens, config.layout.page_size)
         self.ring_region: LocalRegion
 
     # ---- engine-facing -----------------------------------------------------------------------------------
@@ -71,6 +75,16 @@ class DecodeAgent(BaseAgent):
         self._events.put(ExpectRoom(room, tuple(prefill_peers), num_tokens, prefix_tokens, tuple(pages), deadline))
 
     # ---- hooks -------------------------------------------------------------------------------------------
+
+    def _handle(self, event: Any) -> list[Any]:
+        """An ExpectRoom's pages are checked and its slots looked up before the endpoint sees it: invalid pages
+        reject the call at once, and every scatter of the room takes a view of the slots."""
+        if not isinstance(event, ExpectRoom):
+            return super()._handle(event)
+        slots = self.pool.request_slots(event.pages, event.prefix_tokens, event.num_tokens)
+        actions = super()._handle(event)
+        self._slots[event.room] = slots
+        return actions
 
     def _setup_memory(self) -> dict[str, bytes]:
         self.ring_region = self._host_region(self.config.ring_bytes)
@@ -111,23 +125,29 @@ class DecodeAgent(BaseAgent):
             self._failed[action.room] = action.reason
             self._maybe_report_failure(action.room)
         elif isinstance(action, RoomSucceeded):
+            self._slots.pop(action.room, None)
             self._outcome(RoomOutcome(action.room, True))
         else:
             raise TypeError(f"decode agent cannot execute {action!r}")
 
     def _maybe_report_failure(self, room: int) -> None:
         if room in self._failed and room in self._freed:
+            self._slots.pop(room, None)
             self._outcome(RoomOutcome(room, False, self._failed.pop(room), self._freed.pop(room)))
 
     def _scatter(self, action: Scatter) -> None:
         """Scatter on the copy thread; the room's in-flight count lets FenceScatter wait for it."""
         self._scatters[action.room] = self._scatters.get(action.room, 0) + 1
         ring = self.ring_region.tensor
-        chunk = Chunk(action.chunk, 0, action.plan.num_tokens)
-        self.copier.submit(
-            (action.token, action.room),
-            lambda: scatter_region(ring, action.region.offset, action.plan, self.pool, action.pages, chunk),
-        )
+
+        def job() -> int:
+            slots = self._slots[action.room]  # stored when the room was accepted, dropped with its outcome
+            chunk = self._grid.chunk(action.chunk, slots.end, slots.start)
+            return scatter_region_slots(
+                ring, action.region.offset, action.plan, self.pool, slots.range(chunk.start, chunk.end)
+            )
+
+        self.copier.submit((action.token, action.room), job)
 
     def _copy_done(self, done: CopyDone) -> None:
         token, room = cast(tuple[int, int], done.key)
@@ -157,7 +177,7 @@ class DecodeAgent(BaseAgent):
         ring = self.endpoint.ring
         return AgentSnapshot(
             open_rooms=base.open_rooms,
-            quiescent=base.quiescent and not self._failed and not self._freed and not self._scatters,
+            quiescent=base.quiescent and not (self._failed or self._freed or self._scatters or self._slots),
             ring_live_bytes=ring.live_bytes,
             ring_high_water=ring.high_water,
             pending_sends=base.pending_sends,
