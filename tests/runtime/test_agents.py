@@ -217,6 +217,24 @@ def test_decode_refuses_a_room_whose_pages_are_not_allocated_at_once_and_keeps_s
     assert decode.wait_quiescent(5), "no slots or ring space kept for either room"
 
 
+def test_a_repeated_room_id_is_refused_and_the_open_room_still_lands_in_its_own_pages(make_cluster):
+    cluster = make_cluster(2, 1)
+    decode = cluster.decode[0]
+    sides = _run_room(cluster, 1, 40)
+    other = decode.pool.allocator.allocate(-(-40 // LAYOUT.page_size), "other")
+    decode.expect_room(1, cluster.prefill_peers, 40, 0, tuple(other), timeout_s=20)
+    outcomes: list[RoomOutcome] = []
+    deadline = time.monotonic() + 20
+    while len(outcomes) < 2 and time.monotonic() < deadline:
+        outcomes += decode.poll()
+        time.sleep(0.005)
+    refused = [o for o in outcomes if not o.ok]
+    assert len(outcomes) == 2 and len(refused) == 1, outcomes
+    assert "already registered" in refused[0].reason and refused[0].pages == tuple(other)
+    _assert_landed(cluster, sides, 0)  # the refused call did not replace the open room's slots
+    assert not _byte_view(decode.pool)[:, :, decode.pool.slot_indices(other, 0, 40)].any()
+
+
 def test_room_times_out_when_its_prefill_rank_never_registers(make_cluster):
     cluster = make_cluster(1, 2)
     decode = cluster.decode[0]
