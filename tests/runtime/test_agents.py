@@ -3,6 +3,7 @@ compatibility checks and failure paths. The cross-process acceptance is in test_
 
 from __future__ import annotations
 
+import threading
 import time
 
 import msgspec
@@ -145,6 +146,27 @@ def test_rooms_land_bit_exact_and_leave_the_ring_empty(make_cluster, prefill_tp,
         assert agent.wait_quiescent(5)
         assert agent.metrics.value("kvstage_transfer_bytes_total") > 0
         assert agent.metrics.value("kvstage_transfer_throughput_bytes_per_second") > 0
+
+
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 1), (1, 2)])
+def test_copy_threads_look_no_slots_up_a_room_is_looked_up_once_on_each_side(make_cluster, prefill_tp, decode_tp):
+    cluster = make_cluster(prefill_tp, decode_tp)
+    callers: list[str] = []
+    for agent in cluster.prefill + cluster.decode:
+        look_up = agent.pool.request_slots
+
+        def spy(*args, look_up=look_up):
+            callers.append(threading.current_thread().name)
+            return look_up(*args)
+
+        agent.pool.request_slots = spy
+    sides = _run_room(cluster, 1, 50)  # 7 chunks of 8 tokens
+    for agent in cluster.decode + cluster.prefill:
+        assert all(outcome.ok for outcome in _wait(agent, 1).values())
+    _assert_landed(cluster, sides, 0)
+    assert not [name for name in callers if name.endswith("-copier")], callers
+    agent_threads = [name for name in callers if name.endswith("-agent")]
+    assert len(agent_threads) == prefill_tp + decode_tp, "one lookup per rank: kv_ready or expect_room"
 
 
 def test_a_writer_keeps_at_most_its_window_of_writes_in_flight_per_decode_peer(make_cluster):

@@ -45,7 +45,8 @@ class Send:
 @dataclass(frozen=True, slots=True)
 class WriteRegion:
     """Staged path: gather `block` (this writer's heads, `num_tokens` tokens from the first token of
-    `src_pages[0]`) and write it to `peer`'s ring bytes `[dst_offset, dst_offset + block.nbytes)`."""
+    `src_pages[0]`, which is the room's token `token_start`) and write it to `peer`'s ring bytes
+    `[dst_offset, dst_offset + block.nbytes)`."""
 
     token: int
     peer: str
@@ -53,6 +54,7 @@ class WriteRegion:
     chunk: int
     src_pages: tuple[int, ...]
     num_tokens: int
+    token_start: int
     block: WriterBlock
     region: Allocation
     writer_session: int  # this writer's incarnation towards `peer`: FencePeer(peer, s, e) drops the write

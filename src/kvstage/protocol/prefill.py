@@ -430,6 +430,7 @@ class PrefillEndpoint(EndpointCore):
                 index,
                 r.pages[first:stop],
                 end - start,
+                start,
                 block,
                 chunk.region,
                 self.session,

@@ -2,15 +2,17 @@
 
 Owns: the local source staging buffer (allocated from the data transport, managed by a `StagingRing`), the imported
 rings and pools of decode peers keyed by the decode session that published them, and the writes in flight, at most
-`AgentConfig.writes_per_peer` per decode peer (the rest wait in order). Staged path: gather the chunk's heads into a
-staging slot on the copy thread, then one bulk write into the decode ring. Direct path (matched TP): one write per
-contiguous run of each (layer, K/V, page) slice, straight into the decode pool.
+`AgentConfig.writes_per_peer` per decode peer (the rest wait in order), and each active room's slots (its pages
+looked up once per `kv_ready`, on the agent thread). Staged path: gather the chunk's heads into a staging slot on the
+copy thread, taking a view of the room's slots, then one bulk write into the decode ring. Direct path (matched TP):
+one write per contiguous run of each (layer, K/V, page) slice, straight into the decode pool.
 
 Invariants: a gather starts only once its staging slot no longer overlaps a write still in flight; a write goes
 only into memory of the decode session that granted it (`dst_session`), never into the ring or pool of a
 restarted incarnation (a grant from a newer session waits, bounded by the liveness timeout, for that session's
 record); every write ends in exactly one Completion, queued ones included (a completion frees its peer's window
-for the next). Called by prefill engines through `kvstage.runtime`.
+for the next); a room's slots are kept only while the endpoint holds the room ACTIVE and dropped with its outcome,
+and a gather uses them only for the very pages its write names. Called by prefill engines through `kvstage.runtime`.
 """
 
 from __future__ import annotations
@@ -21,8 +23,10 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, cast
 
-from kvstage.dataplane import KVPool, PoolGeometry, gather, plan_direct_slices
-from kvstage.errors import ConfigError, KVStageError, StagingOversized
+import torch
+
+from kvstage.dataplane import KVPool, PoolGeometry, RequestSlots, gather, gather_slots, plan_direct_slices
+from kvstage.errors import ConfigError, InvalidRequest, KVStageError, StagingOversized
 from kvstage.layout import heads_of_rank
 from kvstage.protocol import (
     AttachRoom,
@@ -35,6 +39,7 @@ from kvstage.protocol import (
     WriteDirect,
     WriteRegion,
 )
+from kvstage.protocol.prefill import PrefillRoomState
 from kvstage.ring import Allocation, StagingRing, region_ready
 from kvstage.runtime.agent import AgentConfig, AgentSnapshot, BaseAgent, RoomOutcome, export_pool
 from kvstage.runtime.copier import CopyDone
@@ -53,6 +58,21 @@ NO_RING = "no staging ring known for the decode peer"
 STALE_RING = "the decode peer restarted since it granted this region"
 NO_LOCAL_POOL = "this rank's KV pool is on {device}; the data transports write host memory, so no direct path"
 NO_POOL = "the decode peer exported no KV pool for the direct path (the local backend cannot export engine memory)"
+
+
+@dataclass(frozen=True, slots=True)
+class _RoomSlots:
+    """An active room's pages (as the latest KVReady gave them) and their slots, looked up once."""
+
+    pages: tuple[int, ...]
+    slots: RequestSlots
+
+    def of(self, action: WriteRegion, page_size: int) -> torch.Tensor | None:
+        """The chunk's slots (a view), or None when the write's pages are not the ones looked up."""
+        first = action.token_start // page_size
+        if self.pages[first : first + len(action.src_pages)] != action.src_pages:
+            return None
+        return self.slots.range(action.token_start, action.token_start + action.num_tokens)
 
 
 @dataclass(slots=True)
@@ -91,6 +111,7 @@ class PrefillAgent(BaseAgent):
         self._gathering: dict[int, _Write] = {}  # action token -> staged write whose gather is running
         self._unresolved: list[tuple[float, WriteRegion | WriteDirect]] = []  # waiting for a newer decode record
         self._queued: dict[str, deque[_Ready]] = {}  # decode peer -> ready writes waiting for its window
+        self._slots: dict[int, _RoomSlots] = {}  # active room -> its pages' slots, looked up at kv_ready
         self.staging_region: LocalRegion
 
     # ---- engine-facing -----------------------------------------------------------------------------------
@@ -129,12 +150,34 @@ class PrefillAgent(BaseAgent):
             codec=self._codec,
         )
 
+    def _handle(self, event: Any) -> list[Any]:
+        """A KVReady that the endpoint took for an active room has its pages' slots looked up once, here; every
+        gather of the room takes a view (`_gather_slots`)."""
+        actions = super()._handle(event)
+        if isinstance(event, KVReady) and self.endpoint.room_state(event.room) is PrefillRoomState.ACTIVE:
+            self._look_up(event)
+        return actions
+
+    def _look_up(self, event: KVReady) -> None:
+        known = self._slots.get(event.room)
+        if known is not None and event.end_tokens < known.slots.end:
+            return  # an older KVReady: the endpoint keeps the newer pages too
+        try:
+            slots = self.pool.request_slots(event.pages, 0, event.end_tokens)
+        except InvalidRequest as exc:  # the gathers look up per chunk and fail the room with the reason
+            log.debug("%s: room %d: no slots looked up at kv_ready: %s", self.peer_id, event.room, exc)
+            self._slots.pop(event.room, None)
+            return
+        self._slots[event.room] = _RoomSlots(event.pages, slots)
+
     def _execute(self, action: Any) -> None:
         if isinstance(action, WriteRegion | WriteDirect):
             self._issue(action)
         elif isinstance(action, RoomSucceeded):
+            self._slots.pop(action.room, None)
             self._outcome(RoomOutcome(action.room, True))
         elif isinstance(action, RoomFailed):
+            self._slots.pop(action.room, None)
             self._outcome(RoomOutcome(action.room, False, action.reason))
         else:
             raise TypeError(f"prefill agent cannot execute {action!r}")
@@ -248,9 +291,15 @@ class PrefillAgent(BaseAgent):
         transfer, staging, offset = action.block.transfer, self.staging_region.tensor, write.slot.offset
         self._gathering[action.token] = write
 
+        known = self._slots.get(action.room)
+
         def job() -> int:
             heads = (transfer.src_head_start, transfer.num_heads)
-            return gather(self.pool, action.src_pages, 0, action.num_tokens, *heads, staging, offset)
+            slots = None if known is None else known.of(action, self.pool.layout.page_size)
+            if slots is None:
+                return gather(self.pool, action.src_pages, 0, action.num_tokens, *heads, staging, offset)
+            self.pool.geometry.check_heads(*heads)
+            return gather_slots(self.pool, slots, *heads, staging, offset)
 
         self.copier.submit(action.token, job)
 
@@ -336,7 +385,9 @@ class PrefillAgent(BaseAgent):
         return AgentSnapshot(
             open_rooms=base.open_rooms,
             quiescent=base.quiescent
-            and not (self._in_flight or self._waiting or self._unresolved or self._gathering or self._queued),
+            and not (
+                self._in_flight or self._waiting or self._unresolved or self._gathering or self._queued or self._slots
+            ),
             writes_in_flight=len(self._in_flight),
             writes_waiting=len(self._waiting) + sum(len(q) for q in self._queued.values()),
             pending_sends=base.pending_sends,
