@@ -415,7 +415,9 @@ def test_restarted_bootstrap_service_is_repopulated_by_the_running_agents():
             deadline = time.monotonic() + 10
             while "P/0" not in client.lookup(["P/0"]) and time.monotonic() < deadline:
                 time.sleep(0.05)
-            record = client.lookup(["P/0"])["P/0"]
+            found = client.lookup(["P/0"])
+            assert "P/0" in found, "the running agent did not register again with the restarted service in 10 s"
+            record = found["P/0"]
             client.close()
             assert record.session == agent.session
             assert record.control_address == agent.channel.address
