@@ -25,7 +25,7 @@ from typing import Any, cast
 
 import torch
 
-from kvstage.dataplane import KVPool, PoolGeometry, RequestSlots, gather, gather_slots, plan_direct_slices
+from kvstage.dataplane import KVPool, PoolGeometry, RequestSlots, gather_slots, plan_direct_slices
 from kvstage.errors import ConfigError, InvalidRequest, KVStageError, StagingOversized
 from kvstage.layout import heads_of_rank
 from kvstage.protocol import (
@@ -152,7 +152,7 @@ class PrefillAgent(BaseAgent):
 
     def _handle(self, event: Any) -> list[Any]:
         """A KVReady that the endpoint took for an active room has its pages' slots looked up once, here; every
-        gather of the room takes a view (`_gather_slots`)."""
+        gather of the room takes a view (`_RoomSlots.of`, in `_start_staged`)."""
         actions = super()._handle(event)
         if isinstance(event, KVReady) and self.endpoint.room_state(event.room) is PrefillRoomState.ACTIVE:
             self._look_up(event)
@@ -295,10 +295,10 @@ class PrefillAgent(BaseAgent):
 
         def job() -> int:
             heads = (transfer.src_head_start, transfer.num_heads)
-            slots = None if known is None else known.of(action, self.pool.layout.page_size)
-            if slots is None:
-                return gather(self.pool, action.src_pages, 0, action.num_tokens, *heads, staging, offset)
             self.pool.geometry.check_heads(*heads)
+            slots = None if known is None else known.of(action, self.pool.layout.page_size)
+            if slots is None:  # no lookup at kv_ready (its pages were refused) or other pages: look up this chunk
+                slots = self.pool.slot_indices(action.src_pages, 0, action.num_tokens)
             return gather_slots(self.pool, slots, *heads, staging, offset)
 
         self.copier.submit(action.token, job)
