@@ -143,12 +143,21 @@ def test_arbitrary_bytes_decode_or_raise_protocol_error_only(data: bytes) -> Non
         max_size=8,
     )
 )
-def test_arbitrary_msgpack_arrays_never_crash_an_endpoint(items: list[object]) -> None:
+def test_arbitrary_msgpack_arrays_are_rejected_and_counted_unless_they_are_valid_messages(items: list[object]) -> None:
+    """An endpoint never raises on junk; it counts each frame the codec refuses, and only those."""
     pump = make_pump()
-    frame = raw(PROTOCOL_VERSION, "p0", 1, 0, 1, None, items)
-    for name in ("d0", "p0"):
-        pump.call(name, ReceivedFrame(frame))
-        pump.call(name, ReceivedFrame(msgspec.msgpack.encode(items)))
+    codec = Codec()
+    for frame in (raw(PROTOCOL_VERSION, "p0", 1, 0, 1, None, items), msgspec.msgpack.encode(items)):
+        try:
+            codec.decode(frame)
+        except ProtocolError:
+            valid = False
+        else:
+            valid = True  # e.g. items == ["hb"]: a well-formed Heartbeat body
+        for name in ("d0", "p0"):
+            before = pump.endpoints[name].stats.frames_rejected
+            pump.call(name, ReceivedFrame(frame))
+            assert pump.endpoints[name].stats.frames_rejected == before + (0 if valid else 1)
 
 
 def test_endpoint_counts_rejected_frames_and_keeps_serving() -> None:

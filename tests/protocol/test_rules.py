@@ -618,6 +618,15 @@ def test_metadata_for_unattached_rooms_is_capped_per_peer() -> None:
     assert prefill(pump).pending_metadata() == 0
 
 
+def test_closed_room_record_forgets_its_oldest_rooms_beyond_its_cap() -> None:
+    pump = make_pump(limits=Limits(max_closed_rooms=2))
+    for room in (1, 2, 3):
+        full_room(pump, room, 8)
+    answers = inject(pump, "d0", "p0", StagingRequest(room=1, chunk=0))
+    answers += inject(pump, "d0", "p0", StagingRequest(room=3, chunk=0))
+    assert [refusal.reason for refusal in sent(answers, GrantRefused)] == [reasons.UNKNOWN_ROOM, reasons.ROOM_CLOSED]
+
+
 def test_peer_table_is_capped() -> None:
     pump = make_pump(limits=Limits(max_peers=4))
     for i in range(10):

@@ -1,4 +1,7 @@
-"""One regression test per upstream control-protocol bug (see docs upstream-notes), replayed on real endpoints.
+"""One regression test per upstream control-protocol bug, replayed on real endpoints.
+
+Numbers are sgl-project/sglang issue or pull-request numbers of SGLang's PD-disaggregation staging buffer; each
+test says what went wrong there.
 
 #29984 (concurrent sends on one socket) and #26501 (CUDA-only events) live below the protocol, in runtime/ and
 dataplane/, and are tested there.

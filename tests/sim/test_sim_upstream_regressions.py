@@ -1,4 +1,4 @@
-"""One seeded simulator scenario per upstream bug (docs: upstream-notes.md), each isolating its fault.
+"""One seeded simulator scenario per upstream bug (sgl-project/sglang issue or PR numbers), each isolating its fault.
 
 Every scenario starts from a fault-free world and turns on exactly the fault that triggered the bug upstream,
 then requires every invariant to hold (S1, S2, D1, L1, Q1, B1 after every step) plus the outcome the fix

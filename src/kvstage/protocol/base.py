@@ -171,8 +171,8 @@ class EndpointCore(ABC):
         """subclass: the alarm set for `room` at `when` fired."""
 
     @abstractmethod
-    def _on_token(self, token: int, ok: bool, reason: str) -> None:
-        """subclass: the action carrying `token` completed."""
+    def _on_token(self, token: int, ok: bool, reason: str, peer_gone: bool) -> None:
+        """subclass: the action carrying `token` completed (`peer_gone`: it failed because the peer is gone)."""
 
     @abstractmethod
     def _fail_by_id(self, room: int, reason: str) -> None:
@@ -284,10 +284,7 @@ class EndpointCore(ABC):
         self._on_received(Received(envelope))
 
     def _on_received(self, event: Received) -> None:
-        envelope = event.envelope
-        if envelope.version != PROTOCOL_VERSION:
-            self.stats.frames_rejected += 1
-            return
+        envelope = event.envelope  # decoded by a Codec, which refuses every other protocol version
         if isinstance(envelope.body, Fenced):
             self._on_fenced(envelope.sender, envelope.body)  # about our own incarnation: no admission needed
             return
@@ -325,7 +322,7 @@ class EndpointCore(ABC):
         self._send(peer_id, Heartbeat())
 
     def _on_completion(self, event: Completion) -> None:
-        self._on_token(event.token, event.ok, event.reason)
+        self._on_token(event.token, event.ok, event.reason, event.peer_gone)
 
     def _on_send_failed(self, event: SendFailed) -> None:
         self.stats.sends_failed += 1

@@ -14,7 +14,7 @@ from typing import Literal
 
 from kvstage.errors import ConfigError
 from kvstage.layout import KVLayout, heads_of_rank, validate_staging_config
-from kvstage.protocol.messages import MAX_CHUNKS, MAX_PEER_ID_LEN, MAX_TP
+from kvstage.protocol.messages import MAX_PEER_ID_LEN, MAX_TP
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,11 +95,6 @@ class DecodeConfig:
             raise ConfigError(
                 f"ring_bytes={self.ring_bytes} must be a positive multiple of ring_alignment={self.ring_alignment}"
             )
-
-    @property
-    def max_room_tokens(self) -> int:
-        """Longest uncached suffix a room may have: MAX_CHUNKS grid slots."""
-        return MAX_CHUNKS * self.chunk_tokens
 
 
 @dataclass(frozen=True, slots=True)

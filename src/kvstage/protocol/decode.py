@@ -91,7 +91,6 @@ def _move(r: _Room, new: DecodeRoomState) -> None:
 class _Chunk:
     region: Allocation | None = None  # staged: the chunk's ring region until freed
     arrived: int = 0  # bitmask over the room's writer slots
-    scattering: bool = False
     done: bool = False
 
 
@@ -380,7 +379,6 @@ class DecodeEndpoint(EndpointCore):
         assert chunk.region is not None
         token = self._new_token()
         self._tokens[token] = (r.room, index)
-        chunk.scattering = True
         r.scatters_in_flight += 1
         start = r.prefix_tokens + index * self.config.chunk_tokens
         page_size = self.config.layout.page_size
@@ -414,7 +412,7 @@ class DecodeEndpoint(EndpointCore):
         self._settle(r)
 
     # ---- completions, timers, peers ---------------------------------------------------------------------------
-    def _on_token(self, token: int, ok: bool, reason: str) -> None:
+    def _on_token(self, token: int, ok: bool, reason: str, peer_gone: bool) -> None:
         entry = self._tokens.pop(token, None)
         if entry is None:
             self.stats.reject("unknown completion token")
@@ -429,7 +427,6 @@ class DecodeEndpoint(EndpointCore):
             self._settle(r)
             return
         chunk = r.chunks[index]
-        chunk.scattering = False
         r.scatters_in_flight -= 1
         if r.state is not DecodeRoomState.ACTIVE:
             return  # the fence covers it; its region is freed with the room's

@@ -445,13 +445,11 @@ class PrefillEndpoint(EndpointCore):
         if seen is not None and (watermark.round, watermark.tail) <= (seen.round, seen.tail):
             return
         peer.watermark = Watermark(watermark.round, watermark.tail)
-        for room, index in list(peer.parked):
+        for room, index in list(peer.parked):  # a parked chunk is GRANTED; it leaves when written or failed
             found = self._link_of(peer, room)
-            chunk = None if found is None else found[1].chunks.get(index)
-            if found is None or chunk is None or chunk.state is not ChunkState.GRANTED:
-                del peer.parked[(room, index)]  # defensive: parked entries leave with their room
-                continue
-            self._try_write(found[0], found[1], index, chunk)
+            assert found is not None, f"chunk {index} of room {room} is parked, but the room is not active"
+            r, link = found
+            self._try_write(r, link, index, link.chunks[index])
 
     def _link_of(self, peer: Peer, room: int) -> tuple[_Room, _Link] | None:
         r = self._rooms.get(room)
@@ -519,7 +517,7 @@ class PrefillEndpoint(EndpointCore):
         self._forget(r, None)
 
     # ---- completions, timers, peers ---------------------------------------------------------------------------
-    def _on_token(self, token: int, ok: bool, reason: str) -> None:
+    def _on_token(self, token: int, ok: bool, reason: str, peer_gone: bool) -> None:
         entry = self._tokens.pop(token, None)
         if entry is None:
             self.stats.reject("unknown completion token")
@@ -531,10 +529,8 @@ class PrefillEndpoint(EndpointCore):
             if not r.in_flight:
                 self._drained(r)
             return
-        if r.state is not PrefillRoomState.ACTIVE:
-            return
-        if not ok:
-            self._fail(r, reasons.TRANSFER_FAILED)
+        if not ok:  # a write that failed because decode is gone ends the room as the liveness check would
+            self._fail(r, reasons.PEER_DEAD if peer_gone else reasons.TRANSFER_FAILED)
             return
         link = r.links[peer_id]
         chunk = link.chunks[index]

@@ -43,9 +43,6 @@ class Retrier:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def __contains__(self, key: RetryKey) -> bool:
-        return key in self._entries
-
     def start(self, key: RetryKey, peer: str, body: RoomBody, now: float) -> None:
         """Track `body` (already sent once by the caller); a running entry with the same key is replaced."""
         self._serial += 1

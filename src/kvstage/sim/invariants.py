@@ -1,4 +1,4 @@
-"""The invariant checker of the simulator: S1, S2, D1, L1, Q1 and B1 from docs/architecture.md.
+"""The invariant checker of the simulator: S1, S2, D1, L1, Q1 and B1 (docs/simulation.md, "Invariants").
 
 Owns `Checker` and `Violation`. The world calls the checker at every data operation (a write landing, a
 scatter completing, pages being freed, a room succeeding) and after every step; the first violation stops the
