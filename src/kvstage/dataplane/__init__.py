@@ -1,4 +1,5 @@
-"""Moving KV bytes: paged KV pools, staged gather/scatter, and the direct per-slice baseline (torch).
+"""Moving KV bytes: paged KV pools, the engine's own KV (`EngineKV`), staged gather/scatter, and the direct
+per-slice baseline (torch).
 
 Owns the tensors; the arithmetic they follow (head mapping, block offsets, chunk grid) lives in `kvstage.layout`.
 The same code runs on CPU and CUDA. Called by the runtime agents, the reference engine, the simulator, the demo
@@ -6,7 +7,17 @@ and the benchmarks.
 """
 
 from kvstage.dataplane.direct import SliceCopy, copy_direct, plan_direct_slices, transfer_direct
-from kvstage.dataplane.pool import TORCH_DTYPES, KVPool, PageAllocator, PoolGeometry, RequestSlots, torch_dtype
+from kvstage.dataplane.engine_kv import EngineKV, KVCacheFormat, KVStore
+from kvstage.dataplane.pool import (
+    TORCH_DTYPES,
+    KVPool,
+    PageAllocator,
+    PageGeometry,
+    Plane,
+    PoolGeometry,
+    RequestSlots,
+    torch_dtype,
+)
 from kvstage.dataplane.stage import (
     StagingBuffer,
     block_bytes,
@@ -22,8 +33,13 @@ from kvstage.dataplane.stage import (
 
 __all__ = [
     "TORCH_DTYPES",
+    "EngineKV",
+    "KVCacheFormat",
     "KVPool",
+    "KVStore",
     "PageAllocator",
+    "PageGeometry",
+    "Plane",
     "PoolGeometry",
     "RequestSlots",
     "SliceCopy",

@@ -1,11 +1,14 @@
 """A rank's paged KV pool: its storage, its byte geometry and its page allocator.
 
 Owns:
-- `PoolGeometry`: the byte layout of one rank's pool, `[K|V, layer, slot, head, head_dim]`, and the byte offset
-  of any (kv, layer, slot, head) in it. Pure arithmetic, so a remote peer can compute addresses without the tensor.
+- `PageGeometry`: a rank's pages and local heads, wherever its KV lives (token, page and head range checks);
+  `PoolGeometry` adds a `KVPool`'s byte layout, `[K|V, layer, slot, head, head_dim]`, and the byte offset of any
+  (kv, layer, slot, head) in it. Pure arithmetic, so a remote peer can compute addresses without the tensor.
 - `PageAllocator`: hands out page ids, counts pages in use, refuses double and foreign frees, reports leaks.
 - `KVPool`: one flat `uint8` tensor holding every layer's K and V (transports register `flat` as a memory
-  region), typed and integer views of it, and the validated mapping from a request's pages to slot indices.
+  region), typed and integer views of it, and the validated mapping from a request's pages to slot indices
+  (`look_up_slots`, shared with `EngineKV`, which has no allocator).
+- `Plane`: a slot-addressed integer view of (part of) a rank's KV, what gather and scatter copy through.
 
 Invariants: storage is a single contiguous allocation, `[2, num_layers, num_slots, num_heads, head_dim]`
 row-major, with slot = page * page_size + position in page; a page id is either free or held by exactly one
@@ -19,6 +22,7 @@ runtime agents (which also allocate and free pages per request).
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
@@ -49,8 +53,9 @@ def torch_dtype(name: str) -> torch.dtype:
 
 
 @dataclass(frozen=True, slots=True)
-class PoolGeometry:
-    """Byte layout of one rank's KV pool: `[2 (K, V), num_layers, num_slots, num_heads, head_dim]`, row-major."""
+class PageGeometry:
+    """The pages of one rank's KV, wherever it lives: `num_pages` pages of `layout.page_size` tokens over
+    `num_heads` local heads. Checks token, page and head ranges; knows nothing of bytes."""
 
     layout: KVLayout
     num_heads: int
@@ -65,6 +70,44 @@ class PoolGeometry:
     @property
     def num_slots(self) -> int:
         return self.num_pages * self.layout.page_size
+
+    def check_heads(self, head_start: int, num_heads: int) -> None:
+        """`InvalidRequest` unless local heads `[head_start, head_start + num_heads)` exist in this pool."""
+        if num_heads <= 0 or head_start < 0 or head_start + num_heads > self.num_heads:
+            raise InvalidRequest(
+                f"head range [{head_start}, {head_start + num_heads}) is outside this pool's "
+                f"{self.num_heads} local heads"
+            )
+
+    def used_pages(self, pages: Pages, token_start: int, token_end: int) -> torch.Tensor:
+        """The pages (CPU int64) holding tokens `[token_start, token_end)` of a request whose pages are `pages`.
+
+        Checks the token range, that the request has enough pages, and that every used page is inside the pool
+        and appears once.
+        """
+        page_list = torch.as_tensor(pages, dtype=torch.int64, device="cpu")
+        if page_list.dim() != 1:
+            raise InvalidRequest(f"pages must be one-dimensional, got shape {tuple(page_list.shape)}")
+        if not 0 <= token_start < token_end:
+            raise InvalidRequest(f"token range [{token_start}, {token_end}) is empty or negative")
+        page_size = self.layout.page_size
+        first, last = token_start // page_size, -(-token_end // page_size)
+        if last > page_list.numel():
+            raise InvalidRequest(
+                f"tokens up to {token_end} need {last} pages of {page_size} tokens, the request has {page_list.numel()}"
+            )
+        used = page_list[first:last]
+        outside = used[(used < 0) | (used >= self.num_pages)]
+        if outside.numel():
+            raise InvalidRequest(f"pages {outside.tolist()} are outside this pool's 0..{self.num_pages - 1}")
+        if torch.unique(used).numel() != used.numel():
+            raise InvalidRequest(f"pages {used.tolist()} repeat a page; a request's pages must be distinct")
+        return used
+
+
+@dataclass(frozen=True, slots=True)
+class PoolGeometry(PageGeometry):
+    """Byte layout of a `KVPool`: `[2 (K, V), num_layers, num_slots, num_heads, head_dim]`, row-major."""
 
     @property
     def slot_bytes(self) -> int:
@@ -99,39 +142,6 @@ class PoolGeometry:
             + slot * self.slot_bytes
             + head * (self.layout.head_bytes)
         )
-
-    def check_heads(self, head_start: int, num_heads: int) -> None:
-        """`InvalidRequest` unless local heads `[head_start, head_start + num_heads)` exist in this pool."""
-        if num_heads <= 0 or head_start < 0 or head_start + num_heads > self.num_heads:
-            raise InvalidRequest(
-                f"head range [{head_start}, {head_start + num_heads}) is outside this pool's "
-                f"{self.num_heads} local heads"
-            )
-
-    def used_pages(self, pages: Pages, token_start: int, token_end: int) -> torch.Tensor:
-        """The pages (CPU int64) holding tokens `[token_start, token_end)` of a request whose pages are `pages`.
-
-        Checks the token range, that the request has enough pages, and that every used page is inside the pool
-        and appears once.
-        """
-        page_list = torch.as_tensor(pages, dtype=torch.int64, device="cpu")
-        if page_list.dim() != 1:
-            raise InvalidRequest(f"pages must be one-dimensional, got shape {tuple(page_list.shape)}")
-        if not 0 <= token_start < token_end:
-            raise InvalidRequest(f"token range [{token_start}, {token_end}) is empty or negative")
-        page_size = self.layout.page_size
-        first, last = token_start // page_size, -(-token_end // page_size)
-        if last > page_list.numel():
-            raise InvalidRequest(
-                f"tokens up to {token_end} need {last} pages of {page_size} tokens, the request has {page_list.numel()}"
-            )
-        used = page_list[first:last]
-        outside = used[(used < 0) | (used >= self.num_pages)]
-        if outside.numel():
-            raise InvalidRequest(f"pages {outside.tolist()} are outside this pool's 0..{self.num_pages - 1}")
-        if torch.unique(used).numel() != used.numel():
-            raise InvalidRequest(f"pages {used.tolist()} repeat a page; a request's pages must be distinct")
-        return used
 
 
 class PageAllocator:
@@ -204,8 +214,40 @@ class PageAllocator:
             raise InvalidRequest(f"pages {free.tolist()} are not allocated; KV must not touch freed pages")
 
 
-class KVPool:
+class PagedKV(ABC):
+    """What every KV store of a rank shares: its pages and heads (`geometry`) and its slot lookup."""
+
+    geometry: PageGeometry
+
+    @property
+    def layout(self) -> KVLayout:
+        return self.geometry.layout
+
+    @property
+    def num_heads(self) -> int:
+        return self.geometry.num_heads
+
+    @property
+    def num_pages(self) -> int:
+        return self.geometry.num_pages
+
+    @abstractmethod
+    def request_slots(self, pages: Pages, token_start: int, token_end: int) -> RequestSlots:
+        """The slots of tokens `[token_start, token_end)` of `pages`, checked once, for slicing per chunk."""
+
+    def slot_indices(self, pages: Pages, token_start: int, token_end: int) -> torch.Tensor:
+        """Slots (int64, on the store's device) of tokens `[token_start, token_end)` of a request's `pages`.
+
+        Vectorised: no loop per token. A caller that copies one request chunk by chunk should look its slots up
+        once with `request_slots`.
+        """
+        return self.request_slots(pages, token_start, token_end).slots
+
+
+class KVPool(PagedKV):
     """One rank's paged KV cache: every layer's K and V in one flat byte tensor, plus its page allocator."""
+
+    geometry: PoolGeometry
 
     def __init__(self, layout: KVLayout, num_heads: int, num_pages: int, device: str | torch.device = "cpu") -> None:
         self.geometry = PoolGeometry(layout, num_heads, num_pages)
@@ -219,14 +261,6 @@ class KVPool:
     ) -> KVPool:
         """The pool of TP `rank`, holding `len(heads_of_rank(...))` local heads."""
         return cls(layout, len(heads_of_rank(layout.num_kv_heads, tp_size, rank)), num_pages, device)
-
-    @property
-    def layout(self) -> KVLayout:
-        return self.geometry.layout
-
-    @property
-    def num_heads(self) -> int:
-        return self.geometry.num_heads
 
     @property
     def flat(self) -> torch.Tensor:
@@ -251,32 +285,62 @@ class KVPool:
         shape = (*self.geometry.shape[:4], self.layout.head_bytes // word_bytes)
         return self._flat.view(WORD_DTYPES[word_bytes]).view(shape)
 
-    def slot_indices(self, pages: Pages, token_start: int, token_end: int) -> torch.Tensor:
-        """Slots (int64, on the pool's device) of tokens `[token_start, token_end)` of a request's `pages`.
+    #: Widest integer word (bytes) the storage's address allows; torch aligns every allocation to 64 bytes.
+    max_word_bytes = 8
 
-        Every used page must be inside the pool, distinct and currently allocated. Vectorised: no loop per token.
-        The slots are computed on the CPU (8 bytes per token); for a GPU pool they cross in one copy from
-        page-locked memory that the caller does not wait for: it is ordered on the current stream before the
-        kernels that use the slots. (A plain copy waits for the device; measured on an H200 host with three ranks
-        per GPU, that wait was 0.6-1.6 ms per call, longer than the 16 MiB gather it fed.) A caller that copies one
-        request chunk by chunk should look its slots up once with `request_slots`.
-        """
-        return self.request_slots(pages, token_start, token_end).slots
+    def planes(self, word_bytes: int) -> tuple[Plane, ...]:
+        """The whole pool as one slot-indexed plane: one copy op moves a block over every layer, K and V."""
+        return (Plane(self.words(word_bytes), paged=False, axis=2, part=()),)
 
     def request_slots(self, pages: Pages, token_start: int, token_end: int) -> RequestSlots:
         """`slot_indices` of tokens `[token_start, token_end)`, kept with the pages they came from, so that each
-        chunk of the request takes a view (`RequestSlots.range`) instead of a lookup of its own."""
-        used = self.geometry.used_pages(pages, token_start, token_end)
-        self.allocator.check_held(used)
-        page_size = self.layout.page_size
-        first = token_start % page_size  # used[0] is the page holding token_start
-        slots = (used.view(-1, 1) * page_size + torch.arange(page_size)).view(-1)
-        slots = slots[first : first + token_end - token_start]
-        if self.device.type == "cuda":
-            slots = slots.pin_memory().to(self.device, non_blocking=True)
-        else:
-            slots = slots.to(self.device)
-        return RequestSlots(self.allocator, page_size, token_start, token_end, used, slots)
+        chunk of the request takes a view (`RequestSlots.range`) instead of a lookup of its own. Every used page
+        must be inside the pool, distinct and currently allocated."""
+        return look_up_slots(self.geometry, self.allocator, self.device, pages, token_start, token_end)
+
+
+@dataclass(frozen=True, slots=True)
+class Plane:
+    """A slot-addressed integer view of (part of) a rank's KV, and the part of a writer block it maps to.
+
+    `words` ends in `[heads, head_bytes // word]`. A flat plane (`paged=False`) has one slot axis, `axis`, with
+    slot = page * page_size + position: one `index_select` / `index_copy_` moves its part. A paged plane is
+    `[pages, page_size, heads, words]`, for a layout whose pages and positions cannot be merged into one axis
+    (vLLM's CPU and HND layouts): it is indexed by (page, position). `part` indexes the writer block
+    `[2 (K, V), num_layers, tokens, heads, words]`; `()` is the whole block.
+    """
+
+    words: torch.Tensor
+    paged: bool
+    axis: int
+    part: tuple[int, ...]
+
+
+def look_up_slots(
+    geometry: PageGeometry,
+    allocator: PageAllocator | None,
+    device: torch.device,
+    pages: Pages,
+    token_start: int,
+    token_end: int,
+) -> RequestSlots:
+    """The slots of tokens `[token_start, token_end)` of a request's `pages`, checked once.
+
+    Every used page must be inside the pool and distinct, and, where kvstage allocates pages (`allocator`), held.
+    The slots are computed on the CPU (8 bytes per token); for a GPU pool they cross in one copy from page-locked
+    memory that the caller does not wait for: it is ordered on the current stream before the kernels that use the
+    slots. (A plain copy waits for the device; measured on an H200 host with three ranks per GPU, that wait was
+    0.6-1.6 ms per call, longer than the 16 MiB gather it fed.)
+    """
+    used = geometry.used_pages(pages, token_start, token_end)
+    if allocator is not None:
+        allocator.check_held(used)
+    page_size = geometry.layout.page_size
+    first = token_start % page_size  # used[0] is the page holding token_start
+    slots = (used.view(-1, 1) * page_size + torch.arange(page_size)).view(-1)
+    slots = slots[first : first + token_end - token_start]
+    slots = slots.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else slots.to(device)
+    return RequestSlots(allocator, page_size, token_start, token_end, used, slots)
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -285,11 +349,12 @@ class RequestSlots:
 
     A lookup costs a dozen small CPU ops and, for a GPU pool, a copy to the device: about 0.1 ms alone and
     0.2-1.3 ms on an H200 host with six busy rank processes, more than the copy of a 16 MiB block it feeds. A
-    chunk's `range` is a view of `slots` plus one vectorised check that its pages are still allocated (the
-    engine may not free them before the request's outcome, and a copy never touches a freed page).
+    chunk's `range` is a view of `slots`, plus, where kvstage allocates the pages (`allocator`), one vectorised
+    check that they are still allocated (the engine may not free them before the request's outcome, and a copy
+    never touches a freed page). An engine's own KV (`EngineKV`) has no allocator: the engine vouches for its pages.
     """
 
-    allocator: PageAllocator
+    allocator: PageAllocator | None
     page_size: int
     start: int
     end: int
@@ -302,8 +367,9 @@ class RequestSlots:
             raise InvalidRequest(
                 f"tokens [{token_start}, {token_end}) are outside the looked-up range [{self.start}, {self.end})"
             )
-        base = self.start // self.page_size
-        self.allocator.check_held(
-            self.pages[token_start // self.page_size - base : -(-token_end // self.page_size) - base]
-        )
+        if self.allocator is not None:
+            base = self.start // self.page_size
+            self.allocator.check_held(
+                self.pages[token_start // self.page_size - base : -(-token_end // self.page_size) - base]
+            )
         return self.slots[token_start - self.start : token_end - self.start]

@@ -1,4 +1,4 @@
-"""Staged copies: gather a token range of a rank's KV into a writer block, and scatter a block back into a pool.
+"""Staged copies: gather a token range of a rank's KV into a writer block, and scatter a block back into it.
 
 Owns `gather` and `scatter` (one head range, one token range, any byte offset of a staging buffer), their
 plan-driven forms `gather_block` / `scatter_block` / `scatter_region` (and `scatter_region_slots`, for slots a caller
@@ -8,16 +8,21 @@ regions of.
 Block layout (see docs/layout.md): `[K layer 0..L-1 | V layer 0..L-1]`, each layer token-major
 `tokens x heads x head_dim`, i.e. a contiguous `[2, L, tokens, heads, head_dim]` array.
 
-Host staging: the staging buffer may sit in host memory while the pool is on a GPU (what the DRAM transports
+Host staging: the staging buffer may sit in host memory while the KV is on a GPU (what the DRAM transports
 register). Gather then selects on the GPU and copies the block down once; scatter copies it up once and selects
 on the GPU. Both return only when the bytes have landed, so the caller may free or reuse the region at once.
 
-Invariants: copies go through an integer view of the bytes (the widest word that divides the head size and the
-block's address), so every bit pattern survives, NaN payloads and -0.0 included, in fp32, bf16, fp16 and fp8.
-Each copy is a single torch op over all layers and both K and V (`index_select` / `index_copy_` over slot
-indices): no Python loop per token, page or layer; the same code runs on CPU and CUDA. (A fused Triton kernel
-was measured on an H200 and was slower than `index_select`; see docs/benchmarks.md.) Bounds are checked
-before anything is written.
+KV stores: a kvstage `KVPool` or an engine's own KV (`EngineKV`, read and written in place). Both hand out
+`Plane`s, slot-addressed integer views: a `KVPool` is one plane over every layer and both K and V, so each copy
+is a single torch op (`index_select` / `index_copy_` over slot indices); an `EngineKV` has one plane per (K/V,
+layer), flat where its pages and positions merge into one slot axis (vLLM NHD, sglang) and indexed by (page,
+position) where they cannot (vLLM CPU, vLLM HND). No Python loop per token or page; the same code runs on CPU and
+CUDA. (A fused Triton kernel was measured on an H200 and was slower than `index_select`; see
+docs/benchmarks.md.)
+
+Invariants: copies go through an integer view of the bytes (the widest word that divides the head size, the
+block's address and the store's strides), so every bit pattern survives, NaN payloads and -0.0 included, in fp32,
+bf16, fp16 and fp8. Bounds are checked before anything is written.
 
 Called by the prefill agent (gather into local staging before the bulk write), the decode agent (scatter after
 every writer of a chunk arrived), the simulator, the demo and the benchmarks.
@@ -27,7 +32,8 @@ from __future__ import annotations
 
 import torch
 
-from kvstage.dataplane.pool import WORD_DTYPES, KVPool, Pages
+from kvstage.dataplane.engine_kv import KVStore
+from kvstage.dataplane.pool import WORD_DTYPES, Pages, Plane
 from kvstage.errors import InvalidRequest
 from kvstage.layout import Chunk, StagingPlan, WriterBlock
 
@@ -45,9 +51,9 @@ class StagingBuffer:
         return self.flat.numel()
 
 
-def block_bytes(pool: KVPool, num_tokens: int, num_heads: int) -> int:
-    """Bytes of one writer block of `num_tokens` tokens and `num_heads` heads of `pool`'s layout."""
-    return 2 * pool.layout.num_layers * num_tokens * num_heads * pool.layout.head_bytes
+def block_bytes(kv: KVStore, num_tokens: int, num_heads: int) -> int:
+    """Bytes of one writer block of `num_tokens` tokens and `num_heads` heads of `kv`'s layout."""
+    return 2 * kv.layout.num_layers * num_tokens * num_heads * kv.layout.head_bytes
 
 
 def _region(staging: torch.Tensor, offset: int, nbytes: int, device: torch.device) -> torch.Tensor:
@@ -56,7 +62,7 @@ def _region(staging: torch.Tensor, offset: int, nbytes: int, device: torch.devic
             f"staging must be a contiguous 1-D uint8 tensor, got {staging.dtype} of shape {tuple(staging.shape)}"
         )
     if staging.device != device and staging.device.type != "cpu":
-        raise InvalidRequest(f"staging is on {staging.device} but the KV pool is on {device}")
+        raise InvalidRequest(f"staging is on {staging.device} but the KV is on {device}")
     if offset < 0 or offset + nbytes > staging.numel():
         raise InvalidRequest(
             f"staging block [{offset}, {offset + nbytes}) does not fit a staging buffer of {staging.numel()} bytes"
@@ -64,27 +70,54 @@ def _region(staging: torch.Tensor, offset: int, nbytes: int, device: torch.devic
     return staging[offset : offset + nbytes]
 
 
-def _word_bytes(head_bytes: int, region: torch.Tensor) -> int:
-    """Widest integer word that divides the head size and the region's address."""
-    return next(w for w in (8, 4, 2, 1) if head_bytes % w == 0 and region.data_ptr() % w == 0)
+def _word_bytes(kv: KVStore, region: torch.Tensor) -> int:
+    """Widest integer word that divides the head size, the region's address and the store's own alignment."""
+    return next(
+        w
+        for w in (8, 4, 2, 1)
+        if w <= kv.max_word_bytes and kv.layout.head_bytes % w == 0 and region.data_ptr() % w == 0
+    )
 
 
 def _views(
-    pool: KVPool, staging: torch.Tensor, offset: int, num_tokens: int, head_start: int, num_heads: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(pool head slice `[2, L, slots, heads, words]`, block `[2, L, tokens, heads, words]`), same word dtype.
+    kv: KVStore, staging: torch.Tensor, offset: int, num_tokens: int, num_heads: int
+) -> tuple[tuple[Plane, ...], torch.Tensor]:
+    """(the store's planes, block `[2, L, tokens, heads, words]`), in the same integer word.
 
     Checks that the block fits the staging buffer before anything is copied.
     """
-    region = _region(staging, offset, block_bytes(pool, num_tokens, num_heads), pool.device)
-    word = _word_bytes(pool.layout.head_bytes, region)
-    heads = pool.words(word)[:, :, :, head_start : head_start + num_heads]
-    shape = (2, pool.layout.num_layers, num_tokens, num_heads, pool.layout.head_bytes // word)
-    return heads, region.view(WORD_DTYPES[word]).view(shape)
+    region = _region(staging, offset, block_bytes(kv, num_tokens, num_heads), kv.device)
+    word = _word_bytes(kv, region)
+    shape = (2, kv.layout.num_layers, num_tokens, num_heads, kv.layout.head_bytes // word)
+    return kv.planes(word), region.view(WORD_DTYPES[word]).view(shape)
+
+
+class _Rows:
+    """Where a copy's tokens are in a plane: the slots, and for paged planes their (page, position) pairs."""
+
+    def __init__(self, slots: torch.Tensor, page_size: int, planes: tuple[Plane, ...]) -> None:
+        self.slots = slots
+        self.paged = (slots // page_size, slots % page_size) if any(p.paged for p in planes) else None
+
+    def take(self, plane: Plane, heads: slice, out: torch.Tensor) -> None:
+        """Copy this copy's tokens of `heads` of `plane` into `out` `[..., tokens, heads, words]`."""
+        src = plane.words[..., heads, :]
+        if self.paged is None or not plane.paged:
+            torch.index_select(src, plane.axis, self.slots, out=out)
+        else:
+            out.copy_(src[self.paged])
+
+    def put(self, plane: Plane, heads: slice, block: torch.Tensor) -> None:
+        """Copy `block` `[..., tokens, heads, words]` into this copy's tokens of `heads` of `plane`, in place."""
+        dst = plane.words[..., heads, :]
+        if self.paged is None or not plane.paged:
+            dst.index_copy_(plane.axis, self.slots, block)
+        else:
+            dst.index_put_(self.paged, block)
 
 
 def gather(
-    pool: KVPool,
+    kv: KVStore,
     pages: Pages,
     token_start: int,
     token_end: int,
@@ -97,34 +130,37 @@ def gather(
 
     `pages` are the request's page ids in token order. Returns the bytes written.
     """
-    pool.geometry.check_heads(head_start, num_heads)
-    return gather_slots(pool, pool.slot_indices(pages, token_start, token_end), head_start, num_heads, staging, offset)
+    kv.geometry.check_heads(head_start, num_heads)
+    return gather_slots(kv, kv.slot_indices(pages, token_start, token_end), head_start, num_heads, staging, offset)
 
 
 def gather_slots(
-    pool: KVPool,
+    kv: KVStore,
     slots: torch.Tensor,
     head_start: int,
     num_heads: int,
     staging: torch.Tensor,
     offset: int,
 ) -> int:
-    """`gather` for slots already returned by `pool.slot_indices`: one kernel, no page validation.
+    """`gather` for slots already returned by `kv.slot_indices`: one copy per plane, no page validation.
 
     For hot paths that validate a request's pages once and reuse its slot indices for every chunk.
     """
-    src, block = _views(pool, staging, offset, slots.numel(), head_start, num_heads)
-    if block.device == src.device:
-        torch.index_select(src, 2, slots, out=block)
-    else:  # host staging of a device pool: gather on the device, one copy down (returns once it has landed)
-        block.copy_(torch.index_select(src, 2, slots))
+    planes, block = _views(kv, staging, offset, slots.numel(), num_heads)
+    # host staging of a device store: gather on the device, one copy down (returns once it has landed)
+    out = block if block.device == kv.device else torch.empty(block.shape, dtype=block.dtype, device=kv.device)
+    rows, heads = _Rows(slots, kv.layout.page_size, planes), slice(head_start, head_start + num_heads)
+    for plane in planes:
+        rows.take(plane, heads, out[plane.part])
+    if out is not block:
+        block.copy_(out)
     return block.numel() * block.element_size()
 
 
 def scatter(
     staging: torch.Tensor,
     offset: int,
-    pool: KVPool,
+    kv: KVStore,
     pages: Pages,
     token_start: int,
     token_end: int,
@@ -135,43 +171,46 @@ def scatter(
 
     The inverse of `gather`. Returns the bytes read.
     """
-    pool.geometry.check_heads(head_start, num_heads)
-    return scatter_slots(staging, offset, pool, pool.slot_indices(pages, token_start, token_end), head_start, num_heads)
+    kv.geometry.check_heads(head_start, num_heads)
+    return scatter_slots(staging, offset, kv, kv.slot_indices(pages, token_start, token_end), head_start, num_heads)
 
 
 def scatter_slots(
     staging: torch.Tensor,
     offset: int,
-    pool: KVPool,
+    kv: KVStore,
     slots: torch.Tensor,
     head_start: int,
     num_heads: int,
 ) -> int:
-    """`scatter` for slots already returned by `pool.slot_indices`: one kernel, no page validation."""
-    nbytes = _queue_scatter(staging, offset, pool, slots, head_start, num_heads)
-    _wait_landed(pool)
+    """`scatter` for slots already returned by `kv.slot_indices`: one copy per plane, no page validation."""
+    nbytes = _queue_scatter(staging, offset, kv, slots, head_start, num_heads)
+    _wait_landed(kv)
     return nbytes
 
 
 def _queue_scatter(
-    staging: torch.Tensor, offset: int, pool: KVPool, slots: torch.Tensor, head_start: int, num_heads: int
+    staging: torch.Tensor, offset: int, kv: KVStore, slots: torch.Tensor, head_start: int, num_heads: int
 ) -> int:
     """Queue one block's scatter on the current stream; the caller waits with `_wait_landed` before the staging
-    bytes may change. Host staging of a device pool: one copy up (not waited for), then the scatter kernel."""
-    dst, block = _views(pool, staging, offset, slots.numel(), head_start, num_heads)
-    dst.index_copy_(2, slots, block.to(dst.device, non_blocking=True))
+    bytes may change. Host staging of a device store: one copy up (not waited for), then the scatter kernels."""
+    planes, block = _views(kv, staging, offset, slots.numel(), num_heads)
+    src = block.to(kv.device, non_blocking=True)
+    rows, heads = _Rows(slots, kv.layout.page_size, planes), slice(head_start, head_start + num_heads)
+    for plane in planes:
+        rows.put(plane, heads, src[plane.part])
     return block.numel() * block.element_size()
 
 
-def _wait_landed(pool: KVPool) -> None:
-    """Return once every queued scatter into `pool` has landed, whichever stream reads the pool next, and the
-    staging bytes they read may be reused."""
-    if pool.device.type == "cuda":
-        torch.cuda.current_stream(pool.device).synchronize()
+def _wait_landed(kv: KVStore) -> None:
+    """Return once every queued scatter into `kv` has landed, whichever stream reads it next, and the staging
+    bytes they read may be reused."""
+    if kv.device.type == "cuda":
+        torch.cuda.current_stream(kv.device).synchronize()
 
 
-def _check_block(pool: KVPool, block: WriterBlock, num_tokens: int) -> None:
-    expected = num_tokens * block.transfer.num_heads * pool.layout.head_bytes
+def _check_block(kv: KVStore, block: WriterBlock, num_tokens: int) -> None:
+    expected = num_tokens * block.transfer.num_heads * kv.layout.head_bytes
     if block.layer_bytes != expected:
         raise InvalidRequest(
             f"writer block of {block.layer_bytes} bytes per layer was planned for another chunk size or layout; "
@@ -180,13 +219,13 @@ def _check_block(pool: KVPool, block: WriterBlock, num_tokens: int) -> None:
 
 
 def gather_block(
-    pool: KVPool, pages: Pages, chunk: Chunk, block: WriterBlock, staging: torch.Tensor, region_offset: int
+    kv: KVStore, pages: Pages, chunk: Chunk, block: WriterBlock, staging: torch.Tensor, region_offset: int
 ) -> int:
     """Prefill side: gather `chunk` into `block` of the chunk's region, which starts at `region_offset`."""
-    _check_block(pool, block, chunk.num_tokens)
+    _check_block(kv, block, chunk.num_tokens)
     transfer = block.transfer
     return gather(
-        pool,
+        kv,
         pages,
         chunk.start,
         chunk.end,
@@ -198,15 +237,15 @@ def gather_block(
 
 
 def scatter_block(
-    staging: torch.Tensor, region_offset: int, block: WriterBlock, pool: KVPool, pages: Pages, chunk: Chunk
+    staging: torch.Tensor, region_offset: int, block: WriterBlock, kv: KVStore, pages: Pages, chunk: Chunk
 ) -> int:
-    """Decode side: scatter `block` of the region at `region_offset` into `chunk`'s tokens of `pool`."""
-    _check_block(pool, block, chunk.num_tokens)
+    """Decode side: scatter `block` of the region at `region_offset` into `chunk`'s tokens of `kv`."""
+    _check_block(kv, block, chunk.num_tokens)
     transfer = block.transfer
     return scatter(
         staging,
         region_offset + block.offset,
-        pool,
+        kv,
         pages,
         chunk.start,
         chunk.end,
@@ -216,7 +255,7 @@ def scatter_block(
 
 
 def scatter_region(
-    staging: torch.Tensor, region_offset: int, plan: StagingPlan, pool: KVPool, pages: Pages, chunk: Chunk
+    staging: torch.Tensor, region_offset: int, plan: StagingPlan, kv: KVStore, pages: Pages, chunk: Chunk
 ) -> int:
     """Decode side: scatter every writer block of one chunk's region into `chunk`'s tokens of `pages`; one copy
     per writer, then one wait for all of them. Returns bytes read.
@@ -227,29 +266,29 @@ def scatter_region(
         raise InvalidRequest(
             f"plan for {plan.num_tokens} tokens does not match chunk {chunk.index} of {chunk.num_tokens} tokens"
         )
-    return scatter_region_slots(staging, region_offset, plan, pool, pool.slot_indices(pages, chunk.start, chunk.end))
+    return scatter_region_slots(staging, region_offset, plan, kv, kv.slot_indices(pages, chunk.start, chunk.end))
 
 
 def scatter_region_slots(
-    staging: torch.Tensor, region_offset: int, plan: StagingPlan, pool: KVPool, slots: torch.Tensor
+    staging: torch.Tensor, region_offset: int, plan: StagingPlan, kv: KVStore, slots: torch.Tensor
 ) -> int:
-    """`scatter_region` into `slots` (from `KVPool.request_slots(...).range`, one per token of the plan)."""
+    """`scatter_region` into `slots` (from `kv.request_slots(...).range`, one per token of the plan)."""
     if plan.num_tokens != slots.numel():
         raise InvalidRequest(f"plan for {plan.num_tokens} tokens cannot scatter into {slots.numel()} slots")
-    _check_region(staging, region_offset, plan, pool)
+    _check_region(staging, region_offset, plan, kv)
     nbytes = sum(
-        _queue_scatter(staging, region_offset + b.offset, pool, slots, b.transfer.dst_head_start, b.transfer.num_heads)
+        _queue_scatter(staging, region_offset + b.offset, kv, slots, b.transfer.dst_head_start, b.transfer.num_heads)
         for b in plan.blocks
     )
-    _wait_landed(pool)  # one wait for the whole region
+    _wait_landed(kv)  # one wait for the whole region
     return nbytes
 
 
-def _check_region(staging: torch.Tensor, region_offset: int, plan: StagingPlan, pool: KVPool) -> None:
-    """Every block of `plan` fits `pool` and the region fits `staging`."""
-    if plan.layout != pool.layout:
-        raise InvalidRequest(f"plan for {plan.layout} does not match a pool of {pool.layout}")
+def _check_region(staging: torch.Tensor, region_offset: int, plan: StagingPlan, kv: KVStore) -> None:
+    """Every block of `plan` fits `kv` and the region fits `staging`."""
+    if plan.layout != kv.layout:
+        raise InvalidRequest(f"plan for {plan.layout} does not match KV of {kv.layout}")
     for block in plan.blocks:
-        _check_block(pool, block, plan.num_tokens)
-        pool.geometry.check_heads(block.transfer.dst_head_start, block.transfer.num_heads)
-    _region(staging, region_offset, plan.total_bytes, pool.device)
+        _check_block(kv, block, plan.num_tokens)
+        kv.geometry.check_heads(block.transfer.dst_head_start, block.transfer.num_heads)
+    _region(staging, region_offset, plan.total_bytes, kv.device)
