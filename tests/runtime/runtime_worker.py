@@ -9,6 +9,10 @@ global head) of the tokens that must move. Decode records the same digest of wha
 room that succeeded. The test compares them: that is the bit-exact check across processes.
 
 Between phases a worker waits for a file to appear (the test creates it, e.g. after restarting a killed rank).
+A phase with `hold_after_first_chunk` computes only each room's first chunk, leaving the rooms mid-transfer; with
+`release` too, it schedules every chunk at once (so grants for later chunks are requested and may be held) and
+computes the rest of each open room when the `release` file appears (after the test killed decode, those writes go
+to a dead peer).
 After its last phase a worker waits for quiescence, writes its result JSON, and then stays alive (its peers may
 still need its acknowledgements) until its stdin is closed. On SIGUSR1 it writes the Python stack of every thread
 to its log (the test asks for that when something stalls).
@@ -139,11 +143,12 @@ class Worker:
         open_rooms: dict[int, tuple[RoomPlan, list[int], float]] = {}
         aborts: list[tuple[float, int]] = []
         hold = phase.get("hold_after_first_chunk", False)
+        self.held: dict[int, list[int]] = {}
         while todo or open_rooms:
             while todo and len(open_rooms) < self.spec["concurrency"]:
                 plan = todo.pop()
                 pages = self.pool.allocator.allocate(-(-plan.num_tokens // self.layout.page_size), plan.room)
-                self.submit(plan, pages, hold)
+                self.submit(plan, pages, hold, release=bool(phase.get("release")))
                 open_rooms[plan.room] = (plan, pages, time.monotonic())
                 if plan.abort_side == self.role:
                     aborts.append((time.monotonic() + plan.abort_after_s, plan.room))
@@ -155,12 +160,14 @@ class Worker:
             if hold and not todo and phase.get("marker") and not Path(phase["marker"]).exists():
                 time.sleep(0.5)  # let the first chunks land, then tell the test the rooms are mid-transfer
                 Path(phase["marker"]).touch()
+            if self.held and Path(phase.get("release", "")).is_file():
+                self.release_held(open_rooms)
             for outcome in self.agent.poll():
                 plan, pages, _ = open_rooms.pop(outcome.room)
                 self.finish(plan, pages, outcome)
             time.sleep(0.005)
 
-    def submit(self, plan: RoomPlan, pages: list[int], hold: bool) -> None:
+    def submit(self, plan: RoomPlan, pages: list[int], hold: bool, release: bool = False) -> None:
         timeout = self.spec["room_timeout_s"]
         if self.role == "decode":
             peers = tuple(peer_id(self.spec["peer_instance"], r) for r in range(self.spec["peer_tp"]))
@@ -172,13 +179,25 @@ class Worker:
         self.digests[str(plan.room)] = head_digests(self.pool, self.heads, pages, plan.prefix_tokens, plan.num_tokens)
         self.agent.attach_room(plan.room, plan.num_tokens, self.spec["peer_tp"], timeout)
         step = 2 * self.spec["chunk_tokens"]
-        if hold:  # only the first chunk's KV is ever ready: the room stays mid-transfer
-            ends = [min(plan.num_tokens, plan.prefix_tokens + self.spec["chunk_tokens"])]
-        else:
-            ends = [*range(step, plan.num_tokens, step), plan.num_tokens]
+        ends = [*range(step, plan.num_tokens, step), plan.num_tokens]
+        if hold:  # only the first chunk's KV is ready (until a release): the room stays mid-transfer
+            first = min(plan.num_tokens, plan.prefix_tokens + self.spec["chunk_tokens"])
+            if release:
+                self.agent.compute_scheduled(plan.room, plan.num_tokens)  # grants of later chunks are requested
+                self.held[plan.room] = [end for end in ends if end > first]
+            ends = [first]
         for end in ends:
-            self.agent.compute_scheduled(plan.room, end)
+            if not (hold and release):
+                self.agent.compute_scheduled(plan.room, end)
             self.agent.kv_ready(plan.room, end, tuple(pages))
+
+    def release_held(self, open_rooms: dict[int, tuple[RoomPlan, list[int], float]]) -> None:
+        """Compute the rest of every held room that is still open."""
+        for room, ends in self.held.items():
+            if room in open_rooms:
+                for end in ends:
+                    self.agent.kv_ready(room, end, tuple(open_rooms[room][1]))
+        self.held = {}
 
     def finish(self, plan: RoomPlan, pages: list[int], outcome: RoomOutcome) -> None:
         entry = {"ok": outcome.ok, "reason": outcome.reason, "t": time.time()}

@@ -11,7 +11,9 @@ The crash test kills one prefill rank with SIGKILL while its rooms are mid-trans
 with "peer dead" within the configured liveness timeout, the ring returns to empty, and a restarted rank (a new
 session under the same peer id) serves new rooms. Its mirror kills the decode rank instead: every writer fails
 the rooms that were mid-transfer with "peer dead", settles its writes and pages, and serves a restarted decode
-rank (whose ring only the new grants may write).
+rank (whose ring only the new grants may write). There, one writer keeps writing through the kill and the other
+writes its held chunks right after it, so rooms end both ways: through the liveness timeout, and through a write
+the transport failed because the peer is gone (the backend's cause, `Completion.peer_gone`); both say "peer dead".
 """
 
 from __future__ import annotations
@@ -214,13 +216,15 @@ def _wait_for_new_session(cluster: Cluster, peer: str, old_session: int) -> None
 def _kill_and_restart(
     cluster: Cluster, victim: str, peer: str, crash_reports: list[Path], crash_timeout_s: float, restart: tuple
 ) -> tuple[float, list[dict], list[dict]]:
-    """Kill process `victim` (peer id `peer`) mid-transfer, wait for the survivors' crash reports, spawn `restart`
-    (`Cluster.spawn` arguments) as the peer's next session, then let phase two start (the "phase2" file).
+    """Kill process `victim` (peer id `peer`) mid-transfer, create the "release" file (a held writer then computes
+    the rest of its rooms), wait for the survivors' crash reports, spawn `restart` (`Cluster.spawn` arguments) as
+    the peer's next session, then let phase two start (the "phase2" file).
 
     Returns when the victim was killed, the crash reports, and the phase-two reports of d0, p0 and p1."""
     old_session = _session_of(cluster, peer)
     killed_at = time.time()
     cluster.kill(victim)
+    (cluster.tmp / "release").touch()
     crash = cluster.wait_reports(crash_reports, crash_timeout_s)
     cluster.spawn(*restart)
     _wait_for_new_session(cluster, peer, old_session)
@@ -336,8 +340,10 @@ def test_killed_decode_rank_fails_its_rooms_as_peer_dead_on_every_writer_and_a_r
         cluster.spawn("d0", "decode", 1, 0, 2, [{"first_room": 0, "rooms": 8}])
         cluster.spawn("p0", "prefill", 2, 0, 1, [_phase(tmp_path, "p0-crash", 0, 8), _phase(tmp_path, "p0", 100, 20,
                       wait_for=str(phase2))])  # fmt: skip
-        # p1 writes the first chunk of each room and then stalls, leaving every room mid-transfer on decode
-        hold = _phase(tmp_path, "p1-crash", 0, 8, hold_after_first_chunk=True, marker=str(held))
+        # p1 writes the first chunk of each room and then stalls, leaving every room mid-transfer on decode, with
+        # grants of later chunks held; once decode is killed it writes them: into a dead peer's memory
+        hold = _phase(tmp_path, "p1-crash", 0, 8, hold_after_first_chunk=True, marker=str(held),
+                      release=str(tmp_path / "release"))  # fmt: skip
         cluster.spawn("p1", "prefill", 2, 1, 1, [hold, _phase(tmp_path, "p1", 100, 20, wait_for=str(phase2))])
         cluster.wait_for(held.exists, "p1 holding its rooms after their first chunk")
         killed_at, crash, after = _kill_and_restart(

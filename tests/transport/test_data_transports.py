@@ -125,7 +125,7 @@ def test_write_through_a_forgotten_remote_or_unregistered_source_fails_with_a_re
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_write_to_a_killed_peer_fails_with_a_reason_instead_of_raising_or_hanging(backend: str) -> None:
+def test_write_to_a_killed_peer_fails_naming_the_peer_gone_instead_of_raising_or_hanging(backend: str) -> None:
     reader = ReaderPeer(config(backend), REGION)
     with create_transport(config(backend)) as writer:
         source = writer.register(random_bytes(REGION, seed=3))
@@ -140,6 +140,7 @@ def test_write_to_a_killed_peer_fails_with_a_reason_instead_of_raising_or_hangin
     failed = [c for c in done.values() if not c.ok]
     assert failed, "writes into a SIGKILLed peer's memory all reported success"
     assert all(c.reason for c in failed)
+    assert all(c.peer_gone for c in failed), "the transport's cause (peer gone) reaches the writer"
     reader.stop()
 
 

@@ -106,11 +106,13 @@ class ReceivedFrame:
 
 @dataclass(frozen=True, slots=True)
 class Completion:
-    """The action that carried `token` finished: ok, or failed with `reason` (free text, for logs)."""
+    """The action that carried `token` finished: ok, or failed with `reason` (free text, for logs). `peer_gone`:
+    the transport knows why a write failed, the peer's process or session is gone (the room ends "peer dead")."""
 
     token: int
     ok: bool = True
     reason: str = ""
+    peer_gone: bool = False
 
 
 @dataclass(frozen=True, slots=True)

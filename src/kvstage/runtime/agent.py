@@ -561,12 +561,13 @@ class BaseAgent(ABC):
             log.info("%s: room %d failed: %s", self.peer_id, outcome.room, outcome.reason)
         self._outcomes.append(outcome)
 
-    def _complete(self, token: int, ok: bool, reason: str = "") -> None:
+    def _complete(self, token: int, ok: bool, reason: str = "", peer_gone: bool = False) -> None:
         """Report the outcome of the action `token` to the endpoint; a failure is logged with its full reason (the
-        room's outcome carries only the protocol's short reason, e.g. "transfer failed")."""
+        room's outcome carries only the protocol's short reason, e.g. "transfer failed", or "peer dead" when the
+        transport knew that the peer is gone)."""
         if not ok:
             log.warning("%s: action %d failed: %s", self.peer_id, token, reason)
-        self._feed(Completion(token, ok, reason))
+        self._feed(Completion(token, ok, reason, peer_gone))
 
     def _poll_transport(self) -> None:
         """Writers override; readers have nothing to poll (one-sided writes)."""

@@ -368,7 +368,8 @@ class PrefillAgent(BaseAgent):
                 self._slab.free(write.slot)
             self._submit_queued(write.action.peer)
             self.metrics.transfer_finished(write.nbytes, time.perf_counter() - write.started, done.ops, done.ok)
-            self._complete(write.action.token, done.ok, "" if done.ok else f"transfer failed: {done.reason}")
+            self._complete(write.action.token, done.ok, "" if done.ok else f"transfer failed: {done.reason}",
+                           done.peer_gone)
 
     def _after_turn(self) -> None:
         if self._unresolved:

@@ -27,9 +27,10 @@ Writes are one-sided: the reader never learns from the transport that bytes land
 Invariants:
 - every transfer id returned by `write`/`write_batch` appears in exactly one `Completion` from `poll`;
 - a transport error never raises out of `write`, `write_batch` or `poll`: it becomes `Completion(ok=False,
-  reason=...)`. A write outside either region, or through an unknown or forgotten handle, fails this way before
-  any byte moves; a write to a dead, closed or unreachable peer fails as soon as the backend notices. Only misuse
-  of the API itself raises (negative offsets, an empty batch, a call after `close`);
+  reason=...)`, with `peer_gone=True` when the backend knows the peer itself is gone. A write outside either
+  region, or through an unknown or forgotten handle, fails this way before any byte moves; a write to a dead,
+  closed or unreachable peer fails as soon as the backend notices. Only misuse of the API itself raises
+  (negative offsets, an empty batch, a call after `close`);
 - `ops_issued` counts transfer operations handed to the backend: 1 per `write`, `len(slices)` per
   `write_batch`. The bench reports it as "transfer operations per request";
 - a descriptor decoded from the wire is bounded (`MAX_DESCRIPTOR_PAYLOAD`) before anything is allocated for it;
@@ -182,12 +183,17 @@ class RemoteRegion:
 
 @dataclass(frozen=True, slots=True)
 class Completion:
-    """Outcome of one transfer id: `ok`, or a failure with a human-readable `reason`; `ops` operations it held."""
+    """Outcome of one transfer id: `ok`, or a failure with a human-readable `reason`; `ops` operations it held.
+
+    `peer_gone` is the transport's cause of a failure, where the backend knows it: the peer's process or session
+    is gone (local: the owner pid exited or released the segment; nixl: NIXL_ERR_REMOTE_DISCONNECT; mooncake:
+    nothing listens on the peer's handshake port any more). The writer then fails the room as "peer dead"."""
 
     transfer_id: int
     ok: bool
     reason: str
     ops: int
+    peer_gone: bool = False
 
 
 Slice = tuple[int, int, int]

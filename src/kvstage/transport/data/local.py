@@ -13,7 +13,7 @@ segment when any process that merely attached to it exits. A segment left behind
 SIGKILL is swept by the next `LocalTransport` started by the same user.
 
 Invariants: a write to a peer whose process has died, or that has released the segment, fails with a reason
-before any byte is copied; a failed copy becomes a failed completion and the copy thread keeps running.
+and `peer_gone` before any byte is copied; a failed copy becomes a failed completion and the copy thread keeps running.
 Called through `kvstage.transport.data.create_transport`.
 """
 
@@ -152,12 +152,8 @@ class LocalTransport(DataTransport):
 
     # ---- writes --------------------------------------------------------------------------------------------
     def _submit(self, transfer_id: int, src: LocalRegion, dst: RemoteRegion, slices: Sequence[Slice]) -> str:
-        segment = self._mapped[dst.key]
-        reason = _peer_gone(segment)
-        if reason:
-            return reason
-        self._copier.submit(_Job(transfer_id, src.tensor, segment, tuple(slices)))
-        return ""
+        self._copier.submit(_Job(transfer_id, src.tensor, self._mapped[dst.key], tuple(slices)))
+        return ""  # the copy thread checks that the peer is still there before the first byte (`_run_job`)
 
     def _progress(self) -> list[Completion]:
         return self._copier.drain()
@@ -174,7 +170,7 @@ def _run_job(job: _Job) -> Completion:
     """Copy every slice of `job`; any error fails the whole transfer with its reason."""
     reason = _peer_gone(job.dst)
     if reason:
-        return Completion(job.transfer_id, False, reason, len(job.slices))
+        return Completion(job.transfer_id, False, reason, len(job.slices), peer_gone=True)
     try:
         for s_off, d_off, length in job.slices:
             job.dst.tensor[d_off : d_off + length].copy_(job.src[s_off : s_off + length])

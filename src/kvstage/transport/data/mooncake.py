@@ -16,7 +16,8 @@ listening port, every segment removed at close), which would bury the caller's o
 is set, kvstage sets it to WARNING before the engine module loads (it is read then): warnings and errors still
 show. `GLOG_minloglevel` has no effect on this wheel.
 
-Invariants: a rejected, unreachable or timed-out write becomes a failed completion naming the peer session; the
+Invariants: a rejected, unreachable or timed-out write becomes a failed completion naming the peer session (with
+`peer_gone` when the peer's handshake port refuses connections: Mooncake itself gives every failure code -1); the
 engine enforces on the reader side that a write lands inside registered memory, and `DataTransport` checks
 region bounds before submitting. Called through `kvstage.transport.data.create_transport`.
 """
@@ -26,6 +27,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -51,6 +53,8 @@ _MAX_TASKS_PER_CALL = 512
 """Largest engine batch we submit: Mooncake's TCP transport rejects (fails) work beyond a per-peer queue of 1024
 transfers, so a long `write_batch` goes out as consecutive calls of at most this many tasks on one worker."""
 _SESSION_RE = re.compile(r"[A-Za-z0-9.\-:\[\]]{1,200}:\d{1,5}")
+#: How long the cause probe of a failed write waits for the peer's handshake port (see `_peer_gone`).
+_PROBE_TIMEOUT_S = 1.0
 
 
 class _MooncakeRef(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -157,9 +161,11 @@ class MooncakeTransport(DataTransport):
             if rc != 0:
                 break
         if rc != 0:
-            reason = f"mooncake write to {write.session} failed (code {rc}): peer unreachable, dead or rejected it"
+            gone = _peer_gone(write.session)
+            cause = "nothing listens on its handshake port any more" if gone else "peer unreachable or rejected it"
+            reason = f"mooncake write to {write.session} failed (code {rc}): {cause}"
             log.warning("transfer %d: %s", write.transfer_id, reason)
-            return Completion(write.transfer_id, False, reason, write.ops)
+            return Completion(write.transfer_id, False, reason, write.ops, peer_gone=gone)
         return Completion(write.transfer_id, True, "", write.ops)
 
     def _progress(self) -> list[Completion]:
@@ -171,3 +177,19 @@ class MooncakeTransport(DataTransport):
             self._unregister(region)
         self._peers.clear()
         self._engine = None
+
+
+def _peer_gone(session: str) -> bool:
+    """Whether the peer engine of `session` ("host:port") is gone: its handshake port refuses connections.
+
+    Mooncake reports every failed write with the same code (-1), so the cause is probed here, on the worker
+    thread: a refused connection means no engine listens there any more (its process exited); a timeout or an
+    unreachable host says nothing about the peer, and counts as not gone."""
+    host, _, port = session.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=_PROBE_TIMEOUT_S):
+            return False
+    except ConnectionRefusedError:
+        return True
+    except OSError:
+        return False

@@ -38,7 +38,8 @@ agent spins a core even when idle; on a small CPU machine that starves the copie
 `nixl_agent.__init__` a bindings module whose `nixlAgent` sets `pthrDelay` on the config it receives.
 
 Invariants: every NIXL error (a write outside the peer's registered memory, a disconnected peer, a backend
-error) becomes a failed completion with NIXL's status in the reason; a request still in progress after
+error) becomes a failed completion with NIXL's status in the reason (NIXL_ERR_REMOTE_DISCONNECT, which NIXL raises
+within milliseconds of the peer's death, also sets `peer_gone`); a request still in progress after
 `TransportConfig.write_timeout_s` fails as timed out and is cancelled. Called through
 `kvstage.transport.data.create_transport`.
 """
@@ -109,6 +110,8 @@ class _Nixl:
     strict_sync: Any
     rw_sync: Any
     errors: tuple[type[Exception], ...]
+    #: NIXL_ERR_REMOTE_DISCONNECT: the peer agent's connection is gone (its process exited or closed it)
+    disconnected: type[Exception]
 
     def sync_mode(self, workers: int) -> Any:
         """STRICT (one lock around every call) for one UCX worker; RW (data-path calls in parallel, metadata calls
@@ -138,6 +141,7 @@ def load_nixl() -> _Nixl:
         nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
         nixl_thread_sync_t.NIXL_THREAD_SYNC_RW,
         errors,
+        _bindings.nixlRemoteDisconnectError,
     )
 
 
@@ -191,6 +195,7 @@ class NixlTransport(DataTransport):
         if not config.nixl_rdma and "UCX_MODULES" not in os.environ:
             os.environ["UCX_MODULES"] = "^ib"
         self._errors: tuple[type[Exception], ...] = (*nixl.errors, RuntimeError)  # RuntimeError: other C++ errors
+        self._disconnected = nixl.disconnected
         try:
             with _paced_progress_thread(config.nixl_progress_delay_us):
                 nixl_config = nixl.config_class(backends=[], sync_mode=nixl.sync_mode(config.nixl_workers))
@@ -273,18 +278,20 @@ class NixlTransport(DataTransport):
     def _run(self, write: _Write) -> Completion:
         """On a worker thread: post the write, wait for NIXL to finish it (or the timeout), release its handle."""
         handle = None
+        gone = False
         try:
             local_descs = self._agent.get_xfer_descs(write.local, "DRAM")
             remote_descs = self._agent.get_xfer_descs(write.remote, "DRAM")
             handle = self._agent.initialize_xfer("WRITE", local_descs, remote_descs, write.owner)
             reason = self._wait(handle, self._agent.transfer(handle), write.owner)
         except self._errors as err:
+            gone = isinstance(err, self._disconnected)
             reason = f"nixl write to {write.owner!r} failed: {type(err).__name__} {err}"
         finally:
             self._release(handle)
         if reason:
             log.warning("transfer %d: %s", write.transfer_id, reason)
-        return Completion(write.transfer_id, not reason, reason, write.ops)
+        return Completion(write.transfer_id, not reason, reason, write.ops, peer_gone=gone)
 
     def _wait(self, handle: Any, state: str, owner: str) -> str:
         """Empty once the write is done, else why it failed; polls every `_POLL_S` up to the write timeout."""
