@@ -1,12 +1,24 @@
-"""The `kvstage` command line: `demo`, `sim` and `bench`.
+"""The `kvstage` command line: `demo`, `sim`, `bench`, `bootstrap` and `router`.
 
 Owns argument parsing and nothing else; each command imports its implementation lazily so that
 `kvstage --help` stays fast and a missing optional transport never breaks unrelated commands.
+The services (`bootstrap`, `router`) bind the loopback address by default and refuse a non-loopback address
+unless a secret is given (`KVSTAGE_SECRET` or `--secret-file`) or `--insecure` opts out.
 """
 
 from __future__ import annotations
 
+import ipaddress
+import logging
+import os
+from pathlib import Path
+from typing import Annotated
+
 import typer
+
+log = logging.getLogger("kvstage.cli")
+
+SECRET_ENV = "KVSTAGE_SECRET"
 
 app = typer.Typer(
     name="kvstage",
@@ -135,3 +147,140 @@ def bench(
         plot(result, Path(plot_file))
     if as_json:
         typer.echo(json_line(result))
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name other than localhost may resolve to any interface
+
+
+def _load_secret(secret_file: str | None) -> bytes | None:
+    """The shared secret from `--secret-file`, else from `KVSTAGE_SECRET`; None when neither is given."""
+    if secret_file is not None:
+        try:
+            secret = Path(secret_file).read_bytes().strip()
+        except OSError as exc:
+            raise typer.BadParameter(f"cannot read the secret file: {exc}", param_hint="--secret-file") from exc
+        if not secret:
+            raise typer.BadParameter(f"{secret_file} is empty", param_hint="--secret-file")
+        return secret
+    env = os.environ.get(SECRET_ENV, "").strip()
+    return env.encode() if env else None
+
+
+def _guard_open_bind(service: str, host: str, secret: bytes | None, insecure: bool) -> None:
+    """Refuse (exit 2) a non-loopback bind without a secret, unless `--insecure` opts out (then warn)."""
+    if _is_loopback(host) or secret is not None:
+        return
+    if insecure:
+        log.warning(
+            "%s binds %s without a secret (--insecure): anyone who can reach this address can use it", service, host
+        )
+        return
+    typer.echo(
+        f"kvstage {service}: refusing to bind the non-loopback address {host} without a secret. "
+        f"Give a shared secret through the {SECRET_ENV} environment variable or --secret-file, "
+        "or pass --insecure to opt out.",
+        err=True,
+    )
+    raise typer.Exit(code=2)
+
+
+def _start_service(service: str, host: str, secret_file: str | None, insecure: bool) -> None:
+    """Log to stderr, load the secret and apply the open-bind rule (the services take no secret of their own yet)."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    _guard_open_bind(service, host, _load_secret(secret_file), insecure)
+
+
+def _zmq_address(host: str, port: int) -> str:
+    shown = f"[{host}]" if ":" in host else host
+    return f"tcp://{shown}:{port if port else '*'}"
+
+
+_HOST_HELP = "Address to bind; a non-loopback address needs a secret or --insecure."
+_SECRET_FILE_HELP = f"File holding the shared secret (else ${SECRET_ENV})."
+_INSECURE_HELP = "Allow a non-loopback bind without a secret (logged as a warning)."
+
+
+@app.command()
+def bootstrap(
+    host: str = typer.Option("127.0.0.1", "--host", help=_HOST_HELP),
+    port: int = typer.Option(7100, "--port", min=0, max=65535, help="Port to bind (0: any free port)."),
+    secret_file: str | None = typer.Option(None, "--secret-file", help=_SECRET_FILE_HELP),
+    insecure: bool = typer.Option(False, "--insecure", help=_INSECURE_HELP),
+) -> None:
+    """Run the bootstrap (rendezvous) service on its own until SIGINT or SIGTERM."""
+    import signal
+    import threading
+
+    from kvstage.errors import TransportError
+    from kvstage.transport.bootstrap import BootstrapServer
+
+    _start_service("bootstrap", host, secret_file, insecure)
+    stop = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda _signum, _frame: stop.set())
+    try:
+        server = BootstrapServer(_zmq_address(host, port)).start()
+    except TransportError as exc:
+        typer.echo(f"kvstage bootstrap: {exc}", err=True)
+        raise typer.Exit(code=1) from exc
+    log.info("bootstrap listening on %s", server.address)
+    try:
+        while not stop.wait(1.0):
+            pass
+    finally:
+        server.close()
+    log.info("bootstrap stopped")
+
+
+@app.command()
+def router(
+    bootstrap: Annotated[str, typer.Option("--bootstrap", help="The bootstrap service, tcp://HOST:PORT.")],
+    prefill: Annotated[
+        list[str], typer.Option("--prefill", help="A prefill vLLM server, NAME=URL (NAME as it registered); repeat.")
+    ],
+    decode: Annotated[
+        list[str], typer.Option("--decode", help="A decode vLLM server, NAME=URL (NAME as it registered); repeat.")
+    ],
+    host: str = typer.Option("127.0.0.1", "--host", help=_HOST_HELP),
+    port: int = typer.Option(8000, "--port", min=1, max=65535, help="Port to bind."),
+    max_concurrent: int = typer.Option(256, "--max-concurrent", min=1, help="Requests in flight; more get 429."),
+    max_body_bytes: int = typer.Option(8 * 2**20, "--max-body-bytes", min=1, help="Largest request body accepted."),
+    connect_timeout: float = typer.Option(5.0, "--connect-timeout", min=0.001, help="Seconds to connect upstream."),
+    read_timeout: float = typer.Option(
+        600.0, "--read-timeout", min=0.001, help="Longest silence (seconds) from decode while it answers."
+    ),
+    prefill_timeout: float = typer.Option(
+        300.0, "--prefill-timeout", min=0.001, help="Seconds a prefill request may take in all."
+    ),
+    secret_file: str | None = typer.Option(None, "--secret-file", help=_SECRET_FILE_HELP),
+    insecure: bool = typer.Option(False, "--insecure", help=_INSECURE_HELP),
+) -> None:
+    """Serve OpenAI-compatible completions through one prefill and one decode vLLM server per request."""
+    from kvstage.router.app import RouterConfig, serve
+    from kvstage.router.instances import Instance, Role, parse_instance
+
+    _start_service("router", host, secret_file, insecure)
+
+    def instances(specs: list[str], role: Role, flag: str) -> tuple[Instance, ...]:
+        try:
+            return tuple(parse_instance(spec, role) for spec in specs)
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc), param_hint=flag) from exc
+
+    config = RouterConfig(
+        bootstrap=bootstrap,
+        prefill=instances(prefill, "prefill", "--prefill"),
+        decode=instances(decode, "decode", "--decode"),
+        max_concurrent=max_concurrent,
+        max_body_bytes=max_body_bytes,
+        connect_timeout_s=connect_timeout,
+        read_timeout_s=read_timeout,
+        prefill_timeout_s=prefill_timeout,
+    )
+    serve(config, host, port)

@@ -1,0 +1,84 @@
+"""Prometheus metrics of one router, on the router's own `CollectorRegistry` (served at `/metrics`).
+
+Metrics (all prefixed `kvstage_router_`):
+- `requests_total{endpoint, outcome}`: client requests by how they ended (`OUTCOMES`);
+- `in_flight_requests`: requests holding a concurrency slot (a slot is held until both upstream requests end);
+- `upstream_errors_total{role, instance, reason}`: failed upstream requests (reasons: see `router.upstream`);
+- `request_seconds{endpoint}`: arrival to the last byte sent (histogram);
+- `first_byte_seconds{endpoint}`: arrival to the first body byte sent to the client, i.e. time to first token
+  for a streamed request (histogram);
+- `prefill_seconds`: duration of the prefill requests that succeeded (histogram).
+
+Invariants: nothing is registered on prometheus-client's global registry, so several routers (and tests) can live
+in one process. Called by `router.app`.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+OUTCOMES: Final = (
+    "ok",
+    "bad_request",  # the router refused the body (400, 413)
+    "busy",  # 429: the concurrency cap was reached
+    "client_error",  # decode refused the request (4xx)
+    "decode_unavailable",  # 503
+    "decode_error",  # 502: decode answered 5xx or broke the connection
+    "decode_timeout",  # 504
+    "client_disconnected",
+)
+
+_SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+
+class RouterMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        reg = self.registry
+        self.requests = Counter(
+            "kvstage_router_requests", "Client requests by outcome", ("endpoint", "outcome"), registry=reg
+        )
+        self.in_flight = Gauge("kvstage_router_in_flight_requests", "Requests holding a slot", registry=reg)
+        self.upstream_errors = Counter(
+            "kvstage_router_upstream_errors",
+            "Failed upstream requests by instance and reason",
+            ("role", "instance", "reason"),
+            registry=reg,
+        )
+        self.request_seconds = Histogram(
+            "kvstage_router_request_seconds",
+            "Arrival to last byte sent",
+            ("endpoint",),
+            buckets=_SECONDS_BUCKETS,
+            registry=reg,
+        )
+        self.first_byte_seconds = Histogram(
+            "kvstage_router_first_byte_seconds",
+            "Arrival to first body byte sent",
+            ("endpoint",),
+            buckets=_SECONDS_BUCKETS,
+            registry=reg,
+        )
+        self.prefill_seconds = Histogram(
+            "kvstage_router_prefill_seconds",
+            "Duration of successful prefill requests",
+            buckets=_SECONDS_BUCKETS,
+            registry=reg,
+        )
+
+    def request_done(self, endpoint: str, outcome: str) -> None:
+        if outcome not in OUTCOMES:
+            raise ValueError(f"unknown outcome {outcome!r}")
+        self.requests.labels(endpoint, outcome).inc()
+
+    def upstream_error(self, role: str, instance: str, reason: str) -> None:
+        self.upstream_errors.labels(role, instance, reason).inc()
+
+    def value(self, name: str, **labels: str) -> float:
+        got = self.registry.get_sample_value(name, labels)
+        return 0.0 if got is None else got
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)

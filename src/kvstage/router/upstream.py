@@ -1,0 +1,121 @@
+"""What the router sends to its two upstream instances, and how their failures are named.
+
+Owns:
+- `new_room`: a room id, random in [1, 2**63);
+- `prefill_body` / `decode_body`: the client's OpenAI body rewritten per the router contract (docs/vllm.md,
+  "Router"): prefill gets one token, no streaming and the decode peer; decode gets the body unchanged plus the
+  prefill peer. A client's own `kv_transfer_params` are replaced: clients never steer rooms;
+- `UpstreamFailure`: one failed upstream request, with the instance, a short reason from a fixed vocabulary
+  (`connect`, `timeout`, `protocol`, `http_5xx`, `http_4xx`, `unregistered`) and the HTTP status the client gets;
+- `failure_from_exception` / `failure_from_response`: httpx errors and upstream error replies as `UpstreamFailure`;
+- `read_bounded`: an upstream body read up to a byte limit (error messages are never buffered without bound).
+
+Invariants: the body builders are pure (they copy, never mutate the client's body). Called by `router.app`.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from kvstage.router.instances import Instance
+
+MAX_ROOM = 2**63
+ERROR_BODY_BYTES = 64 * 1024
+
+JSONBody = dict[str, Any]
+
+
+def new_room() -> int:
+    return 1 + secrets.randbelow(MAX_ROOM - 1)
+
+
+def _transfer_params(room: int, peer: Instance, peer_tp: int) -> JSONBody:
+    return {"kvstage_room": room, "kvstage_peer": peer.name, "kvstage_peer_tp": peer_tp}
+
+
+def prefill_body(body: JSONBody, *, chat: bool, room: int, decode: Instance, decode_tp: int) -> JSONBody:
+    """The client's body for prefill: one token, not streamed (so no stream_options or min_tokens), decode as peer."""
+    out = {k: v for k, v in body.items() if k not in ("stream_options", "min_tokens")}
+    out.update(max_tokens=1, stream=False, kv_transfer_params=_transfer_params(room, decode, decode_tp))
+    if chat:
+        out["max_completion_tokens"] = 1
+    return out
+
+
+def decode_body(body: JSONBody, *, room: int | None, prefill: Instance | None, prefill_tp: int) -> JSONBody:
+    """The client's body for decode, with prefill as peer; without a prefill (`None`) decode computes it all."""
+    out = {k: v for k, v in body.items() if k != "kv_transfer_params"}
+    if room is not None and prefill is not None:
+        out["kv_transfer_params"] = _transfer_params(room, prefill, prefill_tp)
+    return out
+
+
+@dataclass(frozen=True)
+class UpstreamFailure(Exception):
+    instance: Instance
+    reason: str
+    status: int  # what the client gets when this fails its request
+    detail: str
+
+    def __str__(self) -> str:
+        return f"{self.instance.describe()}: {self.reason}: {self.detail}"
+
+    def error_body(self) -> JSONBody:
+        """An OpenAI-style error body naming the instance and the reason."""
+        return {
+            "error": {
+                "message": str(self),
+                "type": "upstream_error",
+                "code": self.status,
+                "instance": self.instance.name,
+                "role": self.instance.role,
+                "reason": self.reason,
+            }
+        }
+
+
+def failure_from_exception(instance: Instance, exc: httpx.HTTPError) -> UpstreamFailure:
+    """Connect errors are 503 (the instance is down), timeouts 504, a broken connection 502."""
+    detail = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout):
+        return UpstreamFailure(instance, "connect", 503, detail)
+    if isinstance(exc, httpx.TimeoutException):
+        return UpstreamFailure(instance, "timeout", 504, detail)
+    return UpstreamFailure(instance, "protocol", 502, detail)
+
+
+async def read_bounded(response: httpx.Response, limit: int = ERROR_BODY_BYTES) -> bytes:
+    """At most `limit` bytes of the response's body; the rest is not read."""
+    out = bytearray()
+    async for chunk in response.aiter_raw():
+        out += chunk[: limit - len(out)]
+        if len(out) >= limit:
+            break
+    return bytes(out)
+
+
+def upstream_message(raw: bytes) -> str:
+    """The message of an upstream error body (OpenAI's {"error": {"message"}} or vLLM's {"message"}), else its text."""
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        return raw.decode(errors="replace").strip()
+    if isinstance(body, dict):
+        inner = body.get("error", body)
+        message = inner.get("message") if isinstance(inner, dict) else None
+        if isinstance(message, str):
+            return message
+    return raw.decode(errors="replace").strip()
+
+
+def failure_from_response(instance: Instance, status: int, raw: bytes) -> UpstreamFailure:
+    """An upstream 5xx is the client's 502; a 4xx keeps its status (the client's request was refused)."""
+    message = upstream_message(raw) or "(empty body)"
+    if status >= 500:
+        return UpstreamFailure(instance, "http_5xx", 502, f"HTTP {status}: {message}")
+    return UpstreamFailure(instance, "http_4xx", status, f"HTTP {status}: {message}")

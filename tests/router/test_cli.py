@@ -1,0 +1,129 @@
+"""`kvstage bootstrap` and `kvstage router` as real processes: loopback by default, open binds refused without a
+secret, a clean stop on SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from conftest import peer_record
+from kvstage.transport.bootstrap import BootstrapClient, BootstrapServer
+
+KVSTAGE = [sys.executable, "-c", "from kvstage.cli import main; main()"]
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "KVSTAGE_SECRET"}
+    env.update(extra)
+    return env
+
+
+def _run(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*KVSTAGE, *args], capture_output=True, text=True, timeout=60, env=_env(**env))
+
+
+class _Service:
+    """A `kvstage` service process whose stderr (its log) is read line by line."""
+
+    def __init__(self, *args: str, **env: str) -> None:
+        self.proc = subprocess.Popen(
+            [*KVSTAGE, *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=_env(**env)
+        )
+        self.log: list[str] = []
+
+    def wait_for_line(self, pattern: str) -> re.Match[str]:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self.log.append(line)
+            found = re.search(pattern, line)
+            if found:
+                return found
+        raise AssertionError(f"exited ({self.proc.wait()}) without logging {pattern!r}:\n{''.join(self.log)}")
+
+    def stop(self, signum: int) -> int:
+        self.proc.send_signal(signum)
+        return self.proc.wait(timeout=30)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@pytest.fixture
+def services() -> Iterator[list[_Service]]:
+    started: list[_Service] = []
+    yield started
+    for service in started:
+        service.kill()
+
+
+@pytest.mark.parametrize("command", [["bootstrap"], ["router", "--bootstrap", "tcp://127.0.0.1:7100"]])
+def test_open_bind_without_a_secret_is_refused_naming_the_secret(command: list[str]) -> None:
+    extra = (
+        ["--prefill", "P0=http://127.0.0.1:1", "--decode", "D0=http://127.0.0.1:2"] if command[0] == "router" else []
+    )
+    done = _run(*command, *extra, "--host", "0.0.0.0")
+    assert done.returncode != 0
+    message = " ".join(done.stderr.split())
+    assert "KVSTAGE_SECRET" in message and "--secret-file" in message and "--insecure" in message
+
+
+def test_bootstrap_on_loopback_serves_until_sigterm(services: list[_Service]) -> None:
+    service = _Service("bootstrap", "--port", "0")
+    services.append(service)
+    address = service.wait_for_line(r"bootstrap listening on (tcp://127\.0\.0\.1:\d+)").group(1)
+    client = BootstrapClient(address)
+    client.register(peer_record("P0", "prefill", 2, 1))
+    assert [r.rank for r in client.lookup_instance("P0", "prefill")] == [1]
+    client.close()
+    assert service.stop(signal.SIGTERM) == 0
+
+
+def test_bootstrap_open_bind_with_a_secret_or_insecure_starts(services: list[_Service], tmp_path: Path) -> None:
+    secret = tmp_path / "secret"
+    secret.write_text("s3cret\n")
+    with_file = _Service("bootstrap", "--host", "0.0.0.0", "--port", "0", "--secret-file", str(secret))
+    services.append(with_file)
+    with_file.wait_for_line(r"bootstrap listening on tcp://0\.0\.0\.0:\d+")
+    assert with_file.stop(signal.SIGINT) == 0
+    insecure = _Service("bootstrap", "--host", "0.0.0.0", "--port", "0", "--insecure")
+    services.append(insecure)
+    insecure.wait_for_line(r"WARNING .*without a secret \(--insecure\)")
+    insecure.wait_for_line(r"bootstrap listening on")
+    assert insecure.stop(signal.SIGTERM) == 0
+    empty = tmp_path / "empty"
+    empty.write_text("")
+    assert _run("bootstrap", "--host", "0.0.0.0", "--secret-file", str(empty)).returncode != 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_router_command_serves_health_and_stops_on_sigterm(
+    services: list[_Service], bootstrap: BootstrapServer
+) -> None:
+    port = _free_port()
+    args = ["router", "--bootstrap", bootstrap.address, "--port", str(port)]
+    service = _Service(*args, "--prefill", "P0=http://127.0.0.1:1", "--decode", "D0=http://127.0.0.1:2")
+    services.append(service)
+    service.wait_for_line(rf"Uvicorn running on http://127\.0\.0\.1:{port}")
+    reply = httpx.get(f"http://127.0.0.1:{port}/health", timeout=10)
+    assert reply.status_code == 503  # registered, but nobody listens at either URL
+    states = {i["name"]: i for i in reply.json()["instances"]}
+    assert states["P0"]["tp_size"] == 2 and states["D0"]["reason"].startswith("connect")
+    service.proc.send_signal(signal.SIGTERM)
+    service.wait_for_line("router stopped")
+    assert service.proc.wait(timeout=30) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal it stopped on
