@@ -30,7 +30,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvstage.dataplane import KVPool, plan_direct_slices
-from kvstage.layout import ChunkGrid, KVLayout, heads_of_rank, plan_head_transfers, plan_staging
+from kvstage.layout import ChunkGrid, KVLayout, heads_of_rank, pages_for, plan_head_transfers, plan_staging
 from kvstage.runtime import AgentConfig, DecodeAgent, PrefillAgent, RoomOutcome
 from kvstage.runtime.agent import BaseAgent
 from kvstage.transport.bootstrap import BootstrapServer
@@ -172,7 +172,7 @@ class _Demo:
         self.report = DemoReport(config)
         self.gen = torch.Generator().manual_seed(config.seed)
         layout = config.layout
-        num_pages = sum(-(-r.num_tokens // layout.page_size) for r in config.requests) + 8
+        num_pages = sum(pages_for(r.num_tokens, layout.page_size) for r in config.requests) + 8
         self.prefill_pools = _fragmented_pools(config, config.prefill_tp, num_pages, self.gen)
         self.decode_pools = _fragmented_pools(config, config.decode_tp, num_pages, self.gen)
         full = max(
@@ -237,7 +237,7 @@ class _Demo:
     def _admit(self, room: int, request: DemoRequest) -> _Room:
         """Decode registers the room first (with its cached prefix in place), then prefill computes and hands off."""
         layout, cfg = self.config.layout, self.config
-        npages = -(-request.num_tokens // layout.page_size)
+        npages = pages_for(request.num_tokens, layout.page_size)
         state = _Room(
             room,
             request,

@@ -6,12 +6,14 @@ Owns the pure arithmetic that both sides of a handoff must agree on, byte for by
 - `heads_of_rank`: which global KV heads a TP rank holds.
 - `plan_head_transfers`: which prefill rank writes which heads to which decode rank.
 - `plan_staging`: where each writer's block lives inside one chunk's staging region.
-- `ChunkGrid`: how a prompt's uncached suffix is cut into chunks aligned to the cached prefix.
+- `ChunkGrid`: how a prompt's uncached suffix is cut into chunks aligned to the cached prefix, and which of a
+  room's pages hold a token range (`ceil_div`, `pages_for`, `page_slice`). The one home of this arithmetic: both
+  endpoints, the runtime, the dataplane and the simulator use it, staged, direct and MLA rooms alike.
 - `validate_staging_config`: the startup check that rejects configurations staging cannot serve.
 
 Invariants: every decode head is written exactly once, by a prefill rank that holds it; replicated heads are
 spread over their replicas; a plan's blocks tile its region with no gap or overlap. Pure: no torch, no I/O,
-no clock, no randomness. Called by protocol/ (sizes, chunk counts), dataplane/ (offsets) and runtime/.
+no clock, no randomness. Called by protocol/ (sizes, chunk grid), dataplane/ (offsets, pages), runtime/ and sim/.
 """
 
 from __future__ import annotations
@@ -33,6 +35,22 @@ DTYPE_BYTES: dict[str, int] = {
 
 Attention = Literal["mha", "gqa", "mla"]
 ATTENTION_KINDS: tuple[str, ...] = ("mha", "gqa", "mla")
+
+
+def ceil_div(numerator: int, denominator: int) -> int:
+    """`numerator / denominator` rounded up, for a positive `denominator` (integers only, no float)."""
+    return -(-numerator // denominator)
+
+
+def pages_for(num_tokens: int, page_size: int) -> int:
+    """How many pages hold `num_tokens` tokens counted from a page boundary."""
+    return ceil_div(num_tokens, page_size)
+
+
+def page_slice(token_start: int, token_end: int, page_size: int) -> slice:
+    """Which entries of a room's page list (page `i` holds tokens `[i * page_size, (i + 1) * page_size)`) hold
+    tokens `[token_start, token_end)`: `pages[page_slice(...)]`."""
+    return slice(token_start // page_size, ceil_div(token_end, page_size))
 
 
 def _require_positive(name: str, value: int) -> None:
@@ -250,18 +268,25 @@ class Chunk:
 
 @dataclass(frozen=True, slots=True)
 class ChunkGrid:
-    """Cuts `[prefix_tokens, num_tokens)` into chunks of `chunk_tokens`, the grid starting at the prefix."""
+    """Cuts `[prefix_tokens, num_tokens)` into chunks of `chunk_tokens`, the grid starting at the prefix.
+
+    The grid of every path (staged, direct, MLA): it needs only `chunk_tokens`, a positive multiple of
+    `page_size`, so every chunk starts on a page boundary."""
 
     chunk_tokens: int
     page_size: int
 
     def __post_init__(self) -> None:
-        validate_staging_config(chunk_tokens=self.chunk_tokens, page_size=self.page_size)
+        _check_chunk_tokens(self.chunk_tokens, self.page_size)
 
     def num_chunks(self, num_tokens: int, prefix_tokens: int = 0) -> int:
         """How many chunks cover the uncached suffix."""
         self._check(num_tokens, prefix_tokens)
-        return -(-(num_tokens - prefix_tokens) // self.chunk_tokens)
+        return ceil_div(num_tokens - prefix_tokens, self.chunk_tokens)
+
+    def pages_of(self, chunk: Chunk) -> slice:
+        """The entries of the room's page list that hold `chunk`'s tokens: `pages[grid.pages_of(chunk)]`."""
+        return page_slice(chunk.start, chunk.end, self.page_size)
 
     def chunk(self, index: int, num_tokens: int, prefix_tokens: int = 0) -> Chunk:
         """Chunk `index` of the grid; `InvalidRequest` if out of range."""
@@ -309,6 +334,20 @@ def validate_staging_config(
             "attention='mla': MLA models do not use staging, because MLA's latent KV is identical on every TP "
             "rank; use the direct path (disable staging) for MLA models"
         )
+    _check_chunk_tokens(chunk_tokens, page_size)
+    if pp_size != 1:
+        raise ConfigError(
+            f"pp_size={pp_size}: staging does not support pipeline parallelism; set pp_size=1 or disable staging"
+        )
+    if context_parallel:
+        raise ConfigError(
+            "context_parallel=True: staging does not support prefill context parallelism; "
+            "disable context parallelism or disable staging"
+        )
+
+
+def _check_chunk_tokens(chunk_tokens: int | None, page_size: int) -> None:
+    """The chunk grid's own requirement: `chunk_tokens` is a positive multiple of a positive `page_size`."""
     _require_positive("page_size", page_size)
     if chunk_tokens is None or isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int):
         raise ConfigError(
@@ -319,13 +358,4 @@ def validate_staging_config(
         raise ConfigError(
             f"chunk_tokens={chunk_tokens} must be a positive multiple of page_size={page_size}; "
             f"set chunk_tokens to a multiple of page_size, for example {page_size * max(1, chunk_tokens // page_size)}"
-        )
-    if pp_size != 1:
-        raise ConfigError(
-            f"pp_size={pp_size}: staging does not support pipeline parallelism; set pp_size=1 or disable staging"
-        )
-    if context_parallel:
-        raise ConfigError(
-            "context_parallel=True: staging does not support prefill context parallelism; "
-            "disable context parallelism or disable staging"
         )

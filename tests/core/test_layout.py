@@ -11,7 +11,10 @@ from kvstage.layout import (
     ChunkGrid,
     HeadTransfer,
     KVLayout,
+    ceil_div,
     heads_of_rank,
+    page_slice,
+    pages_for,
     plan_head_transfers,
     plan_staging,
     validate_staging_config,
@@ -214,6 +217,29 @@ def test_prefix_hit_never_makes_a_chunk_longer_than_one_grid_slot() -> None:
 def test_chunk_grid_rejects_unaligned_prefix_and_empty_suffix(num_tokens: int, prefix: int) -> None:
     with pytest.raises(InvalidRequest):
         ChunkGrid(chunk_tokens=32, page_size=16).chunks(num_tokens, prefix)
+
+
+def test_chunk_grid_serves_mla_and_rejects_only_a_chunk_size_off_the_page_grid() -> None:
+    validate_staging_config(chunk_tokens=32, page_size=16)
+    with pytest.raises(ConfigError, match="MLA"):
+        validate_staging_config(chunk_tokens=32, page_size=16, attention="mla")
+    assert ChunkGrid(chunk_tokens=32, page_size=16).num_chunks(100) == 4  # the direct path (and MLA) use it too
+    with pytest.raises(ConfigError, match="positive multiple of page_size=16"):
+        ChunkGrid(chunk_tokens=40, page_size=16)
+
+
+def test_pages_of_a_chunk_are_the_pages_holding_its_tokens() -> None:
+    grid = ChunkGrid(chunk_tokens=32, page_size=16)
+    pages = tuple(range(100, 110))  # page i of the room holds tokens [16 i, 16 i + 16)
+    assert [pages[grid.pages_of(c)] for c in grid.chunks(100, 16)] == [(101, 102), (103, 104), (105, 106)]
+    assert pages[page_slice(17, 18, 16)] == (101,)
+    assert [pages_for(n, 16) for n in (1, 16, 17, 32)] == [1, 1, 2, 2]
+
+
+def test_ceil_div_is_the_smallest_multiple_count_that_covers() -> None:
+    for a, b in itertools.product(range(-20, 21), range(1, 6)):
+        q = ceil_div(a, b)
+        assert q * b >= a > (q - 1) * b, (a, b, q)
 
 
 def test_chunk_index_outside_the_grid_is_rejected() -> None:

@@ -14,7 +14,7 @@ from protocol_harness import (
     prefill_names,
 )
 
-from kvstage.layout import plan_staging
+from kvstage.layout import ChunkGrid, plan_staging
 from kvstage.protocol import DecodeEndpoint, RoomSucceeded, Scatter, WriteDirect, WriteRegion
 
 
@@ -116,3 +116,15 @@ def test_many_interleaved_rooms_all_succeed_and_the_ring_ends_empty() -> None:
     assert [pump.outcome("d0", room) for room in rooms] == ["ok"] * len(rooms)
     assert len(pump.actions_of("d0", RoomSucceeded)) == len(rooms)
     assert all_quiescent(pump)
+
+
+def test_scatter_and_write_carry_the_same_token_range_the_chunk_grid_gives() -> None:
+    pump = make_pump(heads=8, prefill_tp=2, decode_tp=1, page_size=4, chunk_tokens=8)
+    full_room(pump, 1, 27, prefix=4)  # chunks [4, 12) [12, 20) [20, 27): the last one short
+    grid = ChunkGrid(chunk_tokens=8, page_size=4)
+    expected = {c.index: (c.start, c.num_tokens) for c in grid.chunks(27, 4)}
+    scatters = {a.chunk: (a.token_start, a.num_tokens) for _, a in pump.log if isinstance(a, Scatter)}
+    writes = {(a.chunk, a.token_start, a.num_tokens) for _, a in pump.log if isinstance(a, WriteRegion)}
+    assert scatters == expected
+    assert writes == {(index, start, n) for index, (start, n) in expected.items()}
+    assert all(a.num_tokens == a.plan.num_tokens for _, a in pump.log if isinstance(a, Scatter))

@@ -14,7 +14,15 @@ import re
 from dataclasses import dataclass
 
 from kvstage.errors import ConfigError
-from kvstage.layout import KVLayout, heads_of_rank, plan_head_transfers, plan_staging, validate_staging_config
+from kvstage.layout import (
+    KVLayout,
+    ceil_div,
+    heads_of_rank,
+    pages_for,
+    plan_head_transfers,
+    plan_staging,
+    validate_staging_config,
+)
 from kvstage.transport.data import BACKENDS
 
 
@@ -111,7 +119,7 @@ class BenchConfig:
 
     @property
     def pages_per_request(self) -> int:
-        return -(-self.tokens // self.page_size)
+        return pages_for(self.tokens, self.page_size)
 
     @property
     def pool_pages(self) -> int:
@@ -125,7 +133,7 @@ class BenchConfig:
 
     @property
     def chunks_per_request(self) -> int:
-        return -(-self.tokens // self.chunk_tokens)
+        return ceil_div(self.tokens, self.chunk_tokens)
 
     def decode_bytes(self, decode_rank: int) -> int:
         """KV bytes of one request that `decode_rank` receives (its heads, every writer)."""

@@ -37,7 +37,7 @@ import torch
 
 from kvstage.bench.config import BenchConfig
 from kvstage.dataplane import KVPool, PoolGeometry, plan_direct_slices
-from kvstage.layout import HeadTransfer, heads_of_rank, plan_head_transfers, plan_staging
+from kvstage.layout import HeadTransfer, ceil_div, heads_of_rank, plan_head_transfers, plan_staging
 from kvstage.protocol import Timing
 from kvstage.runtime import AgentConfig, DecodeAgent, PrefillAgent, peer_id
 from kvstage.transport.data import (
@@ -378,7 +378,7 @@ class PrefillRank(_Rank):
 
 def split_evenly(nbytes: int, parts: int) -> list[tuple[int, int]]:
     """(start, length) of `parts` consecutive pieces of `nbytes` bytes, as equal as 64-byte alignment allows."""
-    step = -(-nbytes // parts // 64) * 64
+    step = ceil_div(ceil_div(nbytes, parts), 64) * 64
     return [(start, min(step, nbytes - start)) for start in range(0, nbytes, step)]
 
 

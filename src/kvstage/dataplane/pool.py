@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from kvstage.errors import InvalidRequest, KVPoolExhausted
-from kvstage.layout import KVLayout, heads_of_rank
+from kvstage.layout import KVLayout, heads_of_rank, page_slice
 
 #: torch dtype of each KVLayout dtype name.
 TORCH_DTYPES: dict[str, torch.dtype] = {
@@ -91,7 +91,8 @@ class PageGeometry:
         if not 0 <= token_start < token_end:
             raise InvalidRequest(f"token range [{token_start}, {token_end}) is empty or negative")
         page_size = self.layout.page_size
-        first, last = token_start // page_size, -(-token_end // page_size)
+        span = page_slice(token_start, token_end, page_size)
+        first, last = span.start, span.stop
         if last > page_list.numel():
             raise InvalidRequest(
                 f"tokens up to {token_end} need {last} pages of {page_size} tokens, the request has {page_list.numel()}"
@@ -368,8 +369,6 @@ class RequestSlots:
                 f"tokens [{token_start}, {token_end}) are outside the looked-up range [{self.start}, {self.end})"
             )
         if self.allocator is not None:
-            base = self.start // self.page_size
-            self.allocator.check_held(
-                self.pages[token_start // self.page_size - base : -(-token_end // self.page_size) - base]
-            )
+            base, span = self.start // self.page_size, page_slice(token_start, token_end, self.page_size)
+            self.allocator.check_held(self.pages[span.start - base : span.stop - base])
         return self.slots[token_start - self.start : token_end - self.start]

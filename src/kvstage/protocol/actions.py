@@ -11,7 +11,8 @@ transfer or scatter that fails is answered with ok=False, never dropped).
 |               |         | bulk-write it to the decode peer's ring at `dst_offset` (one write); Completion  |
 | WriteDirect   | prefill | copy the chunk's head slice `transfer` page to page, `src_pages` -> `dst_pages`  |
 |               |         | on the decode peer (direct path, R12); Completion                                |
-| Scatter       | decode  | scatter every writer block of `region` into `pages` by `plan`; Completion         |
+| Scatter       | decode  | scatter every writer block of `region` into the room's KV pages by `plan`, tokens |
+|               |         | `[token_start, token_end)`; Completion                                           |
 | FenceScatter  | decode  | wait until no scatter of `room` is in flight (per room, not a device sync);      |
 |               |         | Completion. Only then are the room's ring space and KV pages released (R1)       |
 | FreePages     | decode  | return the failed room's decode KV `pages` to the pool (never on success)        |
@@ -88,15 +89,22 @@ class WriteDirect:
 
 @dataclass(frozen=True, slots=True)
 class Scatter:
-    """Scatter every writer block of chunk `chunk` from ring `region` into decode `pages` (which start at the
-    chunk's first token) following `plan` (plan.num_tokens tokens)."""
+    """Scatter every writer block of chunk `chunk` from ring `region`, following `plan`, into the room's decode KV
+    pages (those of `ExpectRoom`) at the room's tokens `[token_start, token_start + num_tokens)`.
+
+    The token range is the chunk of `layout.ChunkGrid`; `num_tokens == plan.num_tokens`."""
 
     token: int
     room: int
     chunk: int
     region: Allocation
     plan: StagingPlan
-    pages: tuple[int, ...]
+    token_start: int
+    num_tokens: int
+
+    @property
+    def token_end(self) -> int:
+        return self.token_start + self.num_tokens
 
 
 @dataclass(frozen=True, slots=True)

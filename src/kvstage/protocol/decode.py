@@ -39,7 +39,7 @@ import enum
 from dataclasses import dataclass, field
 
 from kvstage.errors import ConfigError, InvalidRequest, StagingOversized
-from kvstage.layout import StagingPlan
+from kvstage.layout import ChunkGrid, StagingPlan, pages_for
 from kvstage.protocol import reasons
 from kvstage.protocol.actions import FenceScatter, FreePages, RoomFailed, RoomSucceeded, Scatter
 from kvstage.protocol.base import EndpointCore, Peer
@@ -145,6 +145,7 @@ class DecodeEndpoint(EndpointCore):
         super().__init__(config.peer_id, session, config.timing, config.limits, codec)
         self.config = config
         self._ring = ring if ring is not None else StagingRing(config.ring_bytes, config.ring_alignment)
+        self._grid = ChunkGrid(config.chunk_tokens, config.layout.page_size)
         self._rooms: dict[int, _Room] = {}
         self._tokens: dict[int, tuple[int, int]] = {}  # token -> (room, chunk); chunk -1 is the room's fence
         self._room_epoch = 0
@@ -222,17 +223,17 @@ class DecodeEndpoint(EndpointCore):
                 f"room {event.room}: prefix_tokens={event.prefix_tokens} must be a multiple of page_size="
                 f"{page_size} below num_tokens={event.num_tokens}"
             )
-        if len(event.pages) != -(-event.num_tokens // page_size):
+        if len(event.pages) != pages_for(event.num_tokens, page_size):
             raise InvalidRequest(
-                f"room {event.room}: {len(event.pages)} pages given, {-(-event.num_tokens // page_size)} needed "
+                f"room {event.room}: {len(event.pages)} pages given, {pages_for(event.num_tokens, page_size)} needed "
                 f"for {event.num_tokens} tokens at page_size={page_size}"
             )
-        num_chunks = -(-(event.num_tokens - event.prefix_tokens) // cfg.chunk_tokens)
+        num_chunks = self._grid.num_chunks(event.num_tokens, event.prefix_tokens)
         if num_chunks > MAX_CHUNKS:
             raise InvalidRequest(f"room {event.room}: {num_chunks} chunks exceed the protocol bound {MAX_CHUNKS}")
         try:
             plan_full = staging_plan(cfg.layout, prefill_tp, cfg.tp_size, cfg.rank, cfg.chunk_tokens)
-            last_tokens = event.num_tokens - event.prefix_tokens - (num_chunks - 1) * cfg.chunk_tokens
+            last_tokens = self._grid.chunk(num_chunks - 1, event.num_tokens, event.prefix_tokens).num_tokens
             plan_last = staging_plan(cfg.layout, prefill_tp, cfg.tp_size, cfg.rank, last_tokens)
         except ConfigError as exc:
             raise InvalidRequest(f"room {event.room}: prefill TP {prefill_tp} cannot feed this rank: {exc}") from exc
@@ -380,11 +381,8 @@ class DecodeEndpoint(EndpointCore):
         token = self._new_token()
         self._tokens[token] = (r.room, index)
         r.scatters_in_flight += 1
-        start = r.prefix_tokens + index * self.config.chunk_tokens
-        page_size = self.config.layout.page_size
-        plan = r.plan(index)
-        pages = r.pages[start // page_size : -(-(start + plan.num_tokens) // page_size)]
-        self._out.append(Scatter(token, r.room, index, chunk.region, plan, pages))
+        span = self._grid.chunk(index, r.num_tokens, r.prefix_tokens)
+        self._out.append(Scatter(token, r.room, index, chunk.region, r.plan(index), span.start, span.num_tokens))
 
     def _chunk_done(self, r: _Room, chunk: _Chunk) -> None:
         chunk.done = True
@@ -446,9 +444,9 @@ class DecodeEndpoint(EndpointCore):
         if self._deadline_live(when, room):
             self._fail(self._rooms[room], reasons.TIMEOUT)
 
-    def _fail_by_id(self, room: int, reason: str) -> None:
+    def _fail_by_id(self, room: int, peer_id: str, reason: str) -> None:
         r = self._rooms.get(room)
-        if r is not None:
+        if r is not None and peer_id in r.writers:
             self._fail(r, reason)
 
     def _peer_lost(self, peer: Peer, room: int, reason: str) -> None:

@@ -39,7 +39,7 @@ import enum
 from dataclasses import dataclass, field
 
 from kvstage.errors import ConfigError, InvalidRequest
-from kvstage.layout import HeadTransfer, StagingPlan, WriterBlock
+from kvstage.layout import Chunk, ChunkGrid, HeadTransfer, StagingPlan, WriterBlock, ceil_div, pages_for
 from kvstage.protocol import reasons
 from kvstage.protocol.actions import RoomFailed, RoomSucceeded, WriteDirect, WriteRegion
 from kvstage.protocol.base import EndpointCore, Peer
@@ -99,6 +99,7 @@ class _Link:
 
     peer_id: str
     meta: Metadata
+    grid: ChunkGrid  # the decode rank's grid (Metadata.chunk_tokens)
     num_chunks: int
     transfer: HeadTransfer
     plan_full: StagingPlan | None  # staged only
@@ -108,9 +109,9 @@ class _Link:
     unwritten: int = 0  # requested but not yet written (R11 window)
     acked: int = 0
 
-    def bounds(self, index: int) -> tuple[int, int]:
-        start = self.meta.prefix_tokens + index * self.meta.chunk_tokens
-        return start, min(start + self.meta.chunk_tokens, self.meta.num_tokens)
+    def span(self, index: int) -> Chunk:
+        """Chunk `index`: its tokens of the room."""
+        return self.grid.chunk(index, self.meta.num_tokens, self.meta.prefix_tokens)
 
     def holds_grants(self) -> bool:
         """Whether the decode peer ever granted this link anything (a chunk past REQUESTED, or acknowledged)."""
@@ -246,10 +247,10 @@ class PrefillEndpoint(EndpointCore):
         if r is None:
             return
         end = event.end_tokens
-        if not 0 < end <= r.num_tokens or len(event.pages) < -(-end // self.config.layout.page_size):
+        if not 0 < end <= r.num_tokens or len(event.pages) < pages_for(end, self.config.layout.page_size):
             raise InvalidRequest(
                 f"room {r.room}: KVReady(end_tokens={end}) needs 0 < end <= {r.num_tokens} and "
-                f">= {-(-end // self.config.layout.page_size)} pages, got {len(event.pages)}"
+                f">= {pages_for(end, self.config.layout.page_size)} pages, got {len(event.pages)}"
             )
         if end >= r.ready:
             r.ready = end
@@ -288,9 +289,9 @@ class PrefillEndpoint(EndpointCore):
             return "prefix not page-aligned or not below num_tokens"
         if m.chunk_tokens <= 0 or m.chunk_tokens % page_size:
             return "chunk_tokens not a positive multiple of the page size"
-        if -(-(m.num_tokens - m.prefix_tokens) // m.chunk_tokens) > MAX_CHUNKS:
+        if ceil_div(m.num_tokens - m.prefix_tokens, m.chunk_tokens) > MAX_CHUNKS:
             return "too many chunks"
-        expected_pages = -(-m.num_tokens // page_size) if m.path == DIRECT else 0
+        expected_pages = pages_for(m.num_tokens, page_size) if m.path == DIRECT else 0
         if len(m.pages) != expected_pages:
             return "page count does not match num_tokens"
         return None
@@ -351,14 +352,15 @@ class PrefillEndpoint(EndpointCore):
 
     def _new_link(self, peer_id: str, m: Metadata) -> _Link:
         cfg = self.config
-        num_chunks = -(-(m.num_tokens - m.prefix_tokens) // m.chunk_tokens)
+        grid = ChunkGrid(m.chunk_tokens, m.page_size)
+        num_chunks = grid.num_chunks(m.num_tokens, m.prefix_tokens)
         transfer = transfers_of_writer(cfg.layout.num_kv_heads, cfg.tp_size, m.decode_tp, cfg.rank)[m.decode_rank]
         plan_full = plan_last = None
         if m.path != DIRECT:
-            last_tokens = m.num_tokens - m.prefix_tokens - (num_chunks - 1) * m.chunk_tokens
+            last_tokens = grid.chunk(num_chunks - 1, m.num_tokens, m.prefix_tokens).num_tokens
             plan_full = staging_plan(cfg.layout, cfg.tp_size, m.decode_tp, m.decode_rank, m.chunk_tokens)
             plan_last = staging_plan(cfg.layout, cfg.tp_size, m.decode_tp, m.decode_rank, last_tokens)
-        return _Link(peer_id, m, num_chunks, transfer, plan_full, plan_last)
+        return _Link(peer_id, m, grid, num_chunks, transfer, plan_full, plan_last)
 
     # ---- chunk flow -------------------------------------------------------------------------------------------
     def _pump(self, r: _Room) -> None:
@@ -372,7 +374,7 @@ class PrefillEndpoint(EndpointCore):
         window = self.limits.max_chunks_ahead
         while link.next_request < link.num_chunks and link.unwritten < window:
             index = link.next_request
-            if link.bounds(index)[0] >= r.scheduled:
+            if link.span(index).start >= r.scheduled:
                 break
             link.chunks[index] = _Chunk()
             link.next_request += 1
@@ -386,8 +388,8 @@ class PrefillEndpoint(EndpointCore):
 
     def _try_write(self, r: _Room, link: _Link, index: int, chunk: _Chunk) -> None:
         """Write a granted chunk once its KV is computed and (staged) its region is ready; else park it (R9)."""
-        start, end = link.bounds(index)
-        if end > r.ready:
+        span = link.span(index)
+        if span.end > r.ready:
             return
         assert chunk.region is not None
         peer = self._peers[link.peer_id]
@@ -400,8 +402,7 @@ class PrefillEndpoint(EndpointCore):
         token = self._new_token()
         self._tokens[token] = (r.room, link.peer_id, index)
         r.in_flight += 1
-        page_size = self.config.layout.page_size
-        first, stop = start // page_size, -(-end // page_size)
+        pages = link.grid.pages_of(span)
         assert peer.incarnation is not None  # a grant came from it
         dst_session = peer.incarnation[0]
         if link.plan_full is None:
@@ -411,9 +412,9 @@ class PrefillEndpoint(EndpointCore):
                     link.peer_id,
                     r.room,
                     index,
-                    r.pages[first:stop],
-                    link.meta.pages[first:stop],
-                    end - start,
+                    r.pages[pages],
+                    link.meta.pages[pages],
+                    span.num_tokens,
                     link.transfer,
                     self.session,
                     self.epoch_towards(peer.peer_id),
@@ -428,9 +429,9 @@ class PrefillEndpoint(EndpointCore):
                 link.peer_id,
                 r.room,
                 index,
-                r.pages[first:stop],
-                end - start,
-                start,
+                r.pages[pages],
+                span.num_tokens,
+                span.start,
                 block,
                 chunk.region,
                 self.session,
@@ -567,9 +568,9 @@ class PrefillEndpoint(EndpointCore):
         if peer is not None:
             peer.rooms.pop(room, None)
 
-    def _fail_by_id(self, room: int, reason: str) -> None:
+    def _fail_by_id(self, room: int, peer_id: str, reason: str) -> None:
         r = self._rooms.get(room)
-        if r is not None:
+        if r is not None and peer_id in r.links:
             self._fail(r, reason)
 
     def _peer_lost(self, peer: Peer, room: int, reason: str) -> None:

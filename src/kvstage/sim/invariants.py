@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvstage.layout import heads_of_rank
+from kvstage.layout import heads_of_rank, page_slice
 from kvstage.protocol import DecodeEndpoint, PrefillEndpoint, WriteDirect, WriteRegion
 from kvstage.protocol.actions import Scatter
 from kvstage.protocol.messages import Envelope, Grant, Metadata
@@ -151,7 +151,9 @@ class Checker:
                 + ("freed" if owner is None else f"owned by room {owner.room} chunk {owner.chunk}"),
             )
             return
-        foreign = node.pool.foreign_pages(action.pages, str(action.room))
+        room_pages = self.world.rooms[action.room].decode_pages[node.rank]
+        pages = room_pages[page_slice(action.token_start, action.token_end, self.world.layout.page_size)]
+        foreign = node.pool.foreign_pages(pages, str(action.room))
         if foreign:
             self.fail("S2", f"{node.peer_id}: scatter of room {action.room} writes pages {foreign} it released")
 

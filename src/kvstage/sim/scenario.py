@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from kvstage.errors import ConfigError
-from kvstage.layout import KVLayout, heads_of_rank, plan_staging
+from kvstage.layout import KVLayout, heads_of_rank, pages_for, plan_staging
 from kvstage.sim.faults import FAULT_LEVELS, FaultProfile
 
 #: Head counts the simulator draws from when `--kv-heads` is not given.
@@ -139,7 +139,7 @@ def make_scenario(rng: random.Random, config: SimConfig) -> Scenario:
         for d in topology.decode_tp
     )
     max_tokens = config.max_chunks * config.chunk_tokens + MAX_PREFIX_PAGES * config.page_size
-    pages_per_room = -(-max_tokens // config.page_size)
+    pages_per_room = pages_for(max_tokens, config.page_size)
     rooms: list[RoomPlan] = []
     arrival = 0.0
     for index in range(config.rooms):

@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from kvstage.layout import heads_of_rank
+from kvstage.layout import heads_of_rank, pages_for
 from kvstage.protocol import (
     AbortRoom,
     AttachRoom,
@@ -603,13 +603,14 @@ class World:
                 self._complete(waiter, waiter_session, Completion(token), self.queue.now)
 
     def _scatter_bytes(self, node: Node, action: Scatter) -> None:
+        """Into the room's pages at the Scatter's token range, as production scatters into the room's slots."""
         assert node.staging is not None and node.kv is not None
         layout = self.layout
-        tokens = action.plan.num_tokens
+        pages = self.rooms[action.room].decode_pages[node.rank]
         for block in action.plan.blocks:
             raw = node.staging.read(action.region.offset + block.offset, block.nbytes)
-            values = _words(raw).reshape(2, layout.num_layers, tokens, block.transfer.num_heads, layout.head_dim)
-            node.kv.write(action.pages, 0, block.transfer.dst_head_start, values)
+            shape = (2, layout.num_layers, action.num_tokens, block.transfer.num_heads, layout.head_dim)
+            node.kv.write(pages, action.token_start, block.transfer.dst_head_start, _words(raw).reshape(shape))
 
     def _issue_fence(self, node: Node, action: FenceScatter) -> None:
         key = (node.peer_id, action.room)
@@ -641,7 +642,7 @@ class World:
                 instance.waiting.popleft()
                 continue
             nodes = self._decode_nodes(instance.index)
-            count = -(-state.plan.num_tokens // self.layout.page_size)
+            count = pages_for(state.plan.num_tokens, self.layout.page_size)
             if any(n.pool is None or n.pool.free_count < count for n in nodes):
                 return
             instance.waiting.popleft()
@@ -703,7 +704,7 @@ class World:
                 instance.waiting.popleft()
                 continue
             assert instance.pool is not None
-            pages = instance.pool.allocate(-(-state.plan.num_tokens // self.layout.page_size), str(room))
+            pages = instance.pool.allocate(pages_for(state.plan.num_tokens, self.layout.page_size), str(room))
             if pages is None:
                 break
             instance.waiting.popleft()
