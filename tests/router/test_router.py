@@ -178,13 +178,16 @@ def _post_until_timeout(url: str, timeout_s: float) -> None:
         httpx.post(url + "/v1/completions", json=BODY, timeout=timeout_s)
 
 
-def test_body_over_the_limit_is_refused_with_413(pair, start_router) -> None:
+def test_bodies_over_the_limit_or_not_a_json_object_are_refused(pair, start_router) -> None:
     prefill, decode = pair
-    router = start_router([prefill.instance], [decode.instance], max_body_bytes=1024)
-    reply = httpx.post(router.url + "/v1/completions", json={**BODY, "prompt": "x" * 2000}, timeout=5)
+    router = start_router([prefill.instance], [decode.instance], max_body_bytes=4096)
+    reply = httpx.post(router.url + "/v1/completions", json={**BODY, "prompt": "x" * 5000}, timeout=5)
     assert reply.status_code == 413
-    assert httpx.post(router.url + "/v1/completions", content=b"[1]", timeout=5).status_code == 400
+    for junk in (b"[1]", b"{", b"[" * 3000):  # the last one nests deeper than the JSON decoder goes
+        assert httpx.post(router.url + "/v1/completions", content=junk, timeout=5).status_code == 400
     assert not prefill.received and not decode.received
+    assert router.metric("kvstage_router_requests_total", endpoint="/v1/completions", outcome="bad_request") == 4
+    assert router.metric("kvstage_router_in_flight_requests") == 0
 
 
 def test_instances_are_used_in_turn(upstreams, start_router) -> None:

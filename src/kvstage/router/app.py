@@ -98,7 +98,7 @@ async def _read_json(request: Request, limit: int) -> JSONBody:
             raise _BadBody(413, f"request body is over the limit of {limit} bytes")
     try:
         body = json.loads(data)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:  # RecursionError: nested deeper than the decoder goes
         raise _BadBody(400, f"request body is not JSON: {exc}") from exc
     if not isinstance(body, dict):
         raise _BadBody(400, "request body must be a JSON object")
@@ -198,7 +198,9 @@ class Router:
         self.tp = TPDirectory(config.bootstrap, timeout_s=config.bootstrap_timeout_s)
         upstreams = len(config.prefill) + len(config.decode)
         self._client = httpx.AsyncClient(
-            timeout=httpx.Timeout(config.read_timeout_s, connect=config.connect_timeout_s),
+            timeout=httpx.Timeout(
+                config.read_timeout_s, connect=config.connect_timeout_s, pool=config.connect_timeout_s
+            ),
             limits=httpx.Limits(max_connections=2 * config.max_concurrent + upstreams, max_keepalive_connections=64),
         )
         self._slots = 0
@@ -264,10 +266,16 @@ class Router:
     def _start_prefill(
         self, prefill: Instance, path: str, body: JSONBody, headers: dict[str, str], room: int
     ) -> asyncio.Task[None]:
-        task = asyncio.create_task(self._run_prefill(prefill, path, body, headers, room))
+        task = asyncio.create_task(self._run_prefill(prefill, path, body, headers, room), name=prefill.name)
         self._prefills.add(task)
-        task.add_done_callback(self._prefills.discard)
+        task.add_done_callback(self._prefill_done)
         return task
+
+    def _prefill_done(self, task: asyncio.Task[None]) -> None:
+        self._prefills.discard(task)
+        if not task.cancelled() and task.exception() is not None:  # a bug: upstream failures are caught inside
+            self.metrics.upstream_error("prefill", task.get_name(), "internal")
+            log.error("prefill request to %r raised", task.get_name(), exc_info=task.exception())
 
     async def _run_prefill(
         self, prefill: Instance, path: str, body: JSONBody, headers: dict[str, str], room: int
