@@ -3,7 +3,8 @@
 `FakeVLLM` is a Starlette app served by uvicorn on 127.0.0.1 (a port of its own) in a thread. It records every
 request body, whether its client went away before the answer ended, and answers like vLLM's OpenAI server
 (JSON, or SSE chunks when `stream` is true). Its `mode` picks the behaviour: "ok", "error500", "hang" (never
-answers; waits for the client to go) and "hang_stream" (one SSE chunk, then waits for the client to go).
+answers; waits for the client to go), "hang_stream" (one SSE chunk, then waits for the client to go) and
+"break_stream" (one SSE chunk, then the connection is cut).
 With `wait_for_peer`, it answers only once the other side has received the same room (so a router that sends
 its two requests one after the other fails). A real `BootstrapServer` holds the instances' records.
 """
@@ -165,6 +166,8 @@ class FakeVLLM:
                 self.sent_chunks += 1
                 if self.mode == "hang_stream":
                     await asyncio.sleep(3600)
+                if self.mode == "break_stream":
+                    raise ConnectionAbortedError("the fake breaks off its stream")  # uvicorn cuts the connection
                 await asyncio.sleep(self.chunk_delay_s)
             yield b"data: [DONE]\n\n"
             done = True

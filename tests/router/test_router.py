@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 
 import httpx
@@ -99,6 +100,19 @@ def test_client_disconnect_before_decode_answers_cancels_both_upstreams(pair, st
     room = decode.received[0].room
     wait_until(lambda: decode.gone == [room] and prefill.gone == [room], "both upstreams to see the client go")
     wait_until(lambda: router.metric("kvstage_router_in_flight_requests") == 0, "the slot to be given back")
+
+
+def test_decode_breaking_off_a_stream_ends_it_with_an_error_event(pair, start_router) -> None:
+    prefill, decode = pair
+    decode.mode = "break_stream"
+    router = start_router([prefill.instance], [decode.instance])
+    with httpx.stream("POST", router.url + "/v1/completions", json={**BODY, "stream": True}, timeout=10) as reply:
+        events = [line.removeprefix("data: ") for line in reply.iter_lines() if line.startswith("data: ")]
+    assert len(events) == 2 and "text_completion" in events[0]
+    error = json.loads(events[1])["error"]
+    assert error["instance"] == "D0" and error["reason"] == "protocol"
+    wait_until(lambda: router.metric("kvstage_router_in_flight_requests") == 0, "the request to end")
+    assert router.metric("kvstage_router_requests_total", endpoint="/v1/completions", outcome="decode_error") == 1
 
 
 def test_dead_decode_is_a_503_naming_the_instance_and_the_reason(upstreams, start_router) -> None:
