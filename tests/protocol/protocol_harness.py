@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import assert_never
 
 from kvstage.layout import KVLayout
 from kvstage.protocol import (
@@ -68,18 +69,21 @@ class Pump:
 
     def _execute(self, src: str, action: Action) -> None:
         self.log.append((src, action))
-        if isinstance(action, Send):
-            if self.drop is None or not self.drop(src, action.peer, action.envelope):
-                self.queue.append((action.peer, ReceivedFrame(self.codec.encode(action.envelope))))
-            return
-        if isinstance(action, FencePeer):
-            self.fenced[(src, action.peer)] = (action.session, action.epoch)
-            return
-        if isinstance(action, WriteRegion | WriteDirect | Scatter | FenceScatter):
-            if self.hold is not None and self.hold(src, action):
-                self.held.append((src, action))
-                return
-            self.complete(src, action)
+        match action:
+            case Send():
+                if self.drop is None or not self.drop(src, action.peer, action.envelope):
+                    self.queue.append((action.peer, ReceivedFrame(self.codec.encode(action.envelope))))
+            case FencePeer():
+                self.fenced[(src, action.peer)] = (action.session, action.epoch)
+            case WriteRegion() | WriteDirect() | Scatter() | FenceScatter():
+                if self.hold is not None and self.hold(src, action):
+                    self.held.append((src, action))
+                else:
+                    self.complete(src, action)
+            case FreePages() | RoomSucceeded() | RoomFailed():
+                pass  # outcomes and page returns: tests read them from the log
+            case _:
+                assert_never(action)
 
     def complete(self, src: str, action: Action, ok: bool = True) -> None:
         """Deliver the completion of `action` (a held one, or one just issued)."""

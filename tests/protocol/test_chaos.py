@@ -11,6 +11,7 @@ from __future__ import annotations
 import heapq
 import random
 from dataclasses import dataclass, field
+from typing import assert_never
 
 import pytest
 from protocol_harness import TIMING, layout
@@ -109,30 +110,34 @@ class Storm:
 
     def execute(self, src: str, action: Action) -> None:
         rng = self.rng
-        if isinstance(action, Send):
-            if rng.random() < self.loss or self.cut(src, action.peer):
-                return
-            for _ in range(2 if rng.random() < self.dup else 1):
-                self.at(self.now + rng.uniform(0.0005, 0.02), action.peer, Received(action.envelope))
-        elif isinstance(action, WriteRegion):
-            ok = rng.random() >= self.write_fail and not self.cut(src, action.peer)
-            when = self.now + rng.uniform(0.001, 0.03)
-            if ok:
-                self.landing.append((when, src, action))
-            self.at(when, src, Completion(action.token, ok))
-        elif isinstance(action, WriteDirect):
-            self.at(self.now + rng.uniform(0.001, 0.03), src, Completion(action.token, rng.random() >= self.write_fail))
-        elif isinstance(action, Scatter | FenceScatter):
-            self.at(self.now + rng.uniform(0.001, 0.01), src, Completion(action.token))
-        elif isinstance(action, RoomSucceeded | RoomFailed):
-            self.ended.setdefault((src, action.room), []).append(
-                "ok" if isinstance(action, RoomSucceeded) else action.reason
-            )
-        elif isinstance(action, FreePages):
-            key = (src, action.room)
-            self.freed[key] = self.freed.get(key, 0) + 1
-        elif isinstance(action, FencePeer):
-            self.fences[(src, action.peer)] = (action.session, action.epoch)
+        match action:
+            case Send():
+                if rng.random() < self.loss or self.cut(src, action.peer):
+                    return
+                for _ in range(2 if rng.random() < self.dup else 1):
+                    self.at(self.now + rng.uniform(0.0005, 0.02), action.peer, Received(action.envelope))
+            case WriteRegion():
+                ok = rng.random() >= self.write_fail and not self.cut(src, action.peer)
+                when = self.now + rng.uniform(0.001, 0.03)
+                if ok:
+                    self.landing.append((when, src, action))
+                self.at(when, src, Completion(action.token, ok))
+            case WriteDirect():
+                ok = rng.random() >= self.write_fail
+                self.at(self.now + rng.uniform(0.001, 0.03), src, Completion(action.token, ok))
+            case Scatter() | FenceScatter():
+                self.at(self.now + rng.uniform(0.001, 0.01), src, Completion(action.token))
+            case RoomSucceeded():
+                self.ended.setdefault((src, action.room), []).append("ok")
+            case RoomFailed():
+                self.ended.setdefault((src, action.room), []).append(action.reason)
+            case FreePages():
+                key = (src, action.room)
+                self.freed[key] = self.freed.get(key, 0) + 1
+            case FencePeer():
+                self.fences[(src, action.peer)] = (action.session, action.epoch)
+            case _:
+                assert_never(action)
 
     def land(self, src: str, write: WriteRegion) -> None:
         """The bytes of `write` land now (just before its completion is delivered): check S1."""

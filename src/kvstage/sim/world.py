@@ -29,7 +29,7 @@ from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from time import perf_counter
-from typing import Any
+from typing import Any, assert_never
 
 import numpy as np
 
@@ -469,24 +469,25 @@ class World:
 
     def _execute(self, node: Node, action: Action) -> None:
         self.trace.record(self.queue.now, node.peer_id, ACTION, action)
-        if isinstance(action, Send):
-            self._send(node, action)
-        elif isinstance(action, WriteRegion | WriteDirect):
-            self._issue_write(node, action)
-        elif isinstance(action, Scatter):
-            self._issue_scatter(node, action)
-        elif isinstance(action, FenceScatter):
-            self._issue_fence(node, action)
-        elif isinstance(action, FreePages):
-            self._free_decode_pages(node, action)
-        elif isinstance(action, FencePeer):
-            self._fence_peer(node, action)
-        elif isinstance(action, RoomSucceeded):
-            self._room_succeeded(node, action.room)
-        elif isinstance(action, RoomFailed):
-            self._room_failed(node, action.room, action.reason)
-        else:  # pragma: no cover - the Action union is closed
-            raise TypeError(f"unknown action {action!r}")
+        match action:
+            case Send():
+                self._send(node, action)
+            case WriteRegion() | WriteDirect():
+                self._issue_write(node, action)
+            case Scatter():
+                self._issue_scatter(node, action)
+            case FenceScatter():
+                self._issue_fence(node, action)
+            case FreePages():
+                self._free_decode_pages(node, action)
+            case FencePeer():
+                self._fence_peer(node, action)
+            case RoomSucceeded():
+                self._room_succeeded(node, action.room)
+            case RoomFailed():
+                self._room_failed(node, action.room, action.reason)
+            case _:
+                assert_never(action)  # mypy names this line when an Action is added and not handled here
 
     # ---- control plane ----------------------------------------------------------------------------------------
 
