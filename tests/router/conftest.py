@@ -109,6 +109,7 @@ class FakeVLLM:
             routes=[
                 Route("/v1/completions", self._complete, methods=["POST"]),
                 Route("/v1/chat/completions", self._complete, methods=["POST"]),
+                Route("/v1/models", self._models, methods=["GET"]),
                 Route("/health", self._health, methods=["GET"]),
             ]
         )
@@ -121,6 +122,10 @@ class FakeVLLM:
 
     async def _health(self, request: Request) -> Response:
         return Response(status_code=200)
+
+    async def _models(self, request: Request) -> Response:
+        model = {"id": f"model-of-{self.name}", "object": "model", "created": 1, "owned_by": "fake"}
+        return JSONResponse({"object": "list", "data": [model]})
 
     async def _complete(self, request: Request) -> Response:
         self.open += 1
@@ -205,7 +210,7 @@ def _sse(payload: dict[str, Any]) -> bytes:
     return f"data: {json.dumps(payload)}\n\n".encode()
 
 
-def peer_record(instance: str, role: Role, tp: int, rank: int) -> PeerRecord:
+def peer_record(instance: str, role: Role, tp: int, rank: int, session: int = 1) -> PeerRecord:
     return PeerRecord(
         peer_id=f"{instance}-{rank}",
         role=role,
@@ -215,7 +220,7 @@ def peer_record(instance: str, role: Role, tp: int, rank: int) -> PeerRecord:
         layout=LayoutRecord.of(LAYOUT),
         control_address=f"tcp://127.0.0.1:{6000 + rank}",
         backend="local",
-        session=1,
+        session=session,
     )
 
 

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 
 import httpx
 import openai
 import pytest
 
-from conftest import DECODE_TP, PREFILL_TP, closed_port_url, wait_until
+from conftest import DECODE_TP, PREFILL_TP, closed_port_url, peer_record, wait_until
 from kvstage.router.instances import Instance
+from kvstage.transport.bootstrap import BootstrapClient
 
 BODY = {"model": "m", "prompt": "hello there", "max_tokens": 16, "temperature": 0.0}
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 16}
@@ -250,8 +252,31 @@ def test_openai_client_through_the_router(pair, start_router) -> None:
     prefill, decode = pair
     router = start_router([prefill.instance], [decode.instance])
     client = openai.OpenAI(base_url=router.url + "/v1", api_key="unused", max_retries=0, timeout=10)
+    assert [m.id for m in client.models.list()] == ["model-of-D0"]
     completion = client.completions.create(model="m", prompt="hello there", max_tokens=16)
     assert completion.choices[0].text == f"D0 answers room {decode.received[0].room}"
     stream = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], stream=True)
     assert "".join(c.choices[0].delta.content or "" for c in stream) == "t0 t1 t2 "
     assert decode.received[1].body["stream"] is True and prefill.received[1].body["stream"] is False
+
+
+def test_model_list_from_a_dead_decode_is_a_503(upstreams, start_router) -> None:
+    router = start_router([upstreams("P0", "prefill").instance], [Instance("D0", "decode", closed_port_url())])
+    reply = httpx.get(router.url + "/v1/models", timeout=10)
+    assert reply.status_code == 503 and reply.json()["error"]["instance"] == "D0"
+
+
+def test_a_tp_size_is_looked_up_again_and_kept_while_the_bootstrap_is_down(pair, start_router, bootstrap) -> None:
+    prefill, decode = pair
+    router = start_router([prefill.instance], [decode.instance], tp_refresh_s=0.2)
+    assert httpx.post(router.url + "/v1/completions", json=BODY, timeout=5).status_code == 200
+    client = BootstrapClient(bootstrap.address)
+    for rank in range(2):  # D0 comes back with TP 2
+        client.register(peer_record("D0", "decode", 2, rank, session=2))
+    client.close()
+    time.sleep(0.3)
+    assert httpx.post(router.url + "/v1/completions", json=BODY, timeout=5).status_code == 200
+    bootstrap.close()
+    time.sleep(0.3)
+    assert httpx.post(router.url + "/v1/completions", json=BODY, timeout=10).status_code == 200
+    assert [r.body["kv_transfer_params"]["kvstage_peer_tp"] for r in prefill.received] == [1, 2, 2]

@@ -1,9 +1,10 @@
 """The router's HTTP service: OpenAI-compatible endpoints in front of prefill and decode vLLM servers.
 
-Owns `RouterConfig`, `create_app` (the FastAPI app: `/v1/completions`, `/v1/chat/completions`, `/health`,
-`/metrics`) and `serve` (uvicorn). Per client request (`Router.proxy`): take a concurrency slot (429 when none is
-left), read the body (bounded), pick one prefill and one decode instance in turn, draw a room, send both upstream
-requests at once (`router.upstream` builds the bodies), then relay decode's answer byte for byte (SSE included).
+Owns `RouterConfig`, `create_app` (the FastAPI app: `/v1/completions`, `/v1/chat/completions`, `/v1/models`,
+`/health`, `/metrics`) and `serve` (uvicorn). Per client request (`Router.proxy`): take a concurrency slot (429
+when none is left), read the body (bounded), pick one prefill and one decode instance in turn, draw a room, send
+both upstream requests at once (`router.upstream` builds the bodies), then relay decode's answer byte for byte
+(SSE included).
 
 Failure policy (docs/vllm.md, "Router"):
 - decode unreachable, unregistered, timing out or answering 5xx: the client gets 503 / 504 / 502 with a body
@@ -50,6 +51,8 @@ from kvstage.router.upstream import (
 
 log = logging.getLogger("kvstage.router")
 
+MODELS_BYTES = 2**20  # the most of an upstream /v1/models answer the router relays
+
 
 @dataclass(frozen=True)
 class RouterConfig:
@@ -63,6 +66,7 @@ class RouterConfig:
     prefill_timeout_s: float = 300.0  # whole prefill request
     health_timeout_s: float = 2.0
     bootstrap_timeout_s: float = 2.0
+    tp_refresh_s: float = 30.0  # how often an instance's TP size is looked up again
 
 
 class _BadBody(Exception):
@@ -195,7 +199,7 @@ class Router:
         self.metrics = RouterMetrics()
         self._prefill = RoundRobin(config.prefill)
         self._decode = RoundRobin(config.decode)
-        self.tp = TPDirectory(config.bootstrap, timeout_s=config.bootstrap_timeout_s)
+        self.tp = TPDirectory(config.bootstrap, timeout_s=config.bootstrap_timeout_s, refresh_s=config.tp_refresh_s)
         upstreams = len(config.prefill) + len(config.decode)
         self._client = httpx.AsyncClient(
             timeout=httpx.Timeout(
@@ -336,6 +340,31 @@ class Router:
             await late.aclose()
         raise _ClientGone
 
+    async def models(self, request: Request) -> Response:
+        """The next decode instance's `/v1/models` (both roles serve the same model), read up to `MODELS_BYTES`."""
+        decode = self._decode.pick()
+        try:
+            async with self._client.stream(
+                "GET",
+                decode.url + "/v1/models",
+                headers=_upstream_headers(request),
+                timeout=self.config.health_timeout_s,
+            ) as response:
+                raw = await read_bounded(response, MODELS_BYTES + 1)
+        except httpx.HTTPError as exc:
+            failure = failure_from_exception(decode, exc)
+        else:
+            if response.status_code >= 400:
+                failure = failure_from_response(decode, response.status_code, raw)
+            elif len(raw) > MODELS_BYTES:
+                failure = UpstreamFailure(decode, "protocol", 502, f"/v1/models answer over {MODELS_BYTES} bytes")
+            else:
+                self.metrics.request_done("/v1/models", "ok")
+                return Response(raw, media_type=response.headers.get("content-type"))
+        self.upstream_failed(failure, "model list unavailable")
+        self.metrics.request_done("/v1/models", _outcome_of(failure))
+        return _failure_response(failure)
+
     async def health(self) -> tuple[int, JSONBody]:
         """Each instance's state; 200 while some decode instance is up (prefill being down only costs speed)."""
         probes = await asyncio.gather(*(self._probe(i) for i in (*self.config.prefill, *self.config.decode)))
@@ -392,6 +421,10 @@ def create_app(config: RouterConfig) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await router.proxy(request, "/v1/chat/completions", chat=True)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        return await router.models(request)
 
     @app.get("/health")
     async def health() -> Response:

@@ -5,8 +5,9 @@ Owns:
 - `parse_instance`: the command line's `NAME=URL`;
 - `RoundRobin`: the next instance of one role, in turn;
 - `TPDirectory`: each instance's TP size, looked up from the bootstrap (`BootstrapClient.lookup_instance`) on one
-  worker thread (the client is for one thread) and cached once found. A failed lookup is remembered for
-  `retry_s`, so that a bootstrap that is down costs one timeout per `retry_s`, not one per request.
+  worker thread (the client is for one thread), cached and looked up again every `refresh_s`. A failed first
+  lookup is remembered for `retry_s`, so that a bootstrap that is down costs one timeout per `retry_s`, not one
+  per request; a failed refresh keeps the size last found.
 
 Invariants: the cache holds at most one entry per configured instance. Called by `router.app`.
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import time
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -26,6 +28,8 @@ from kvstage.errors import KVStageError
 from kvstage.transport.bootstrap import BootstrapClient
 
 Role = Literal["prefill", "decode"]
+
+log = logging.getLogger("kvstage.router")
 
 
 @dataclass(frozen=True)
@@ -67,28 +71,42 @@ class InstanceUnavailable(KVStageError):
 class TPDirectory:
     """TP size of each instance, from the bootstrap, cached; lookups run on one worker thread."""
 
-    def __init__(self, bootstrap: str, *, timeout_s: float = 2.0, retry_s: float = 1.0) -> None:
+    def __init__(
+        self, bootstrap: str, *, timeout_s: float = 2.0, retry_s: float = 1.0, refresh_s: float = 30.0
+    ) -> None:
         self.bootstrap = bootstrap
         self._client = BootstrapClient(bootstrap, timeout_s=timeout_s)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvstage-router-bootstrap")
         self._retry_s = retry_s
-        self._tp: dict[Instance, int] = {}
-        self._failed: dict[Instance, tuple[float, str]] = {}
+        self._refresh_s = refresh_s
+        self._tp: dict[Instance, tuple[int, float]] = {}  # TP size, when it is to be looked up again
+        self._failed: dict[Instance, tuple[float, str]] = {}  # when to try again, why it failed
 
     async def tp_size(self, instance: Instance) -> int:
-        """The instance's TP size; `InstanceUnavailable` with the reason when it cannot be found."""
-        if instance in self._tp:
-            return self._tp[instance]
+        """The instance's TP size; `InstanceUnavailable` with the reason when it was never found.
+
+        A known size is looked up again every `refresh_s` (an instance restarted under its name may have another
+        TP size); while the bootstrap cannot answer, the size last found is kept.
+        """
+        now = time.monotonic()
+        known = self._tp.get(instance)
+        if known is not None and now < known[1]:
+            return known[0]
         failed = self._failed.get(instance)
-        if failed is not None and time.monotonic() < failed[0]:
+        if known is None and failed is not None and now < failed[0]:
             raise InstanceUnavailable(failed[1])
         loop = asyncio.get_running_loop()
         try:
             tp = await loop.run_in_executor(self._executor, self._lookup, instance)
         except InstanceUnavailable as exc:
-            self._failed[instance] = (time.monotonic() + self._retry_s, str(exc))
-            raise
-        self._tp[instance] = tp
+            if known is None:
+                self._failed[instance] = (time.monotonic() + self._retry_s, str(exc))
+                raise
+            log.warning("%s: keeping TP size %d: %s", instance.describe(), known[0], exc)
+            tp = known[0]
+        if known is not None and tp != known[0]:
+            log.info("%s: TP size %d, was %d", instance.describe(), tp, known[0])
+        self._tp[instance] = (tp, time.monotonic() + self._refresh_s)
         self._failed.pop(instance, None)
         return tp
 
