@@ -38,13 +38,56 @@ def main() -> None:
 
 
 @app.command()
-def demo() -> None:
-    """Run the demo: an end-to-end handoff through the real agents (ZeroMQ, shared memory), verified bit for bit."""
-    from kvstage.demo import print_report, run_demo
+def demo(
+    synthetic: bool = typer.Option(
+        False, "--synthetic", help="The fast demo without vLLM: kvstage's own agents and pools, byte-level checks."
+    ),
+    prefill_tp: int = typer.Option(2, "--prefill-tp", min=1, help="TP size of the vLLM prefill server."),
+    decode_tp: int = typer.Option(1, "--decode-tp", min=1, help="TP size of the vLLM decode server."),
+    requests: int = typer.Option(8, "--requests", min=1, help="How many requests to send."),
+    backend: str = typer.Option("local", "--backend", help="Data transport: local, mooncake or nixl."),
+    prompt_tokens: int = typer.Option(320, "--prompt-tokens", min=2, help="Prompt length of every request."),
+    shared_prefix_tokens: int = typer.Option(
+        0, "--shared-prefix-tokens", min=0, help="Requests share a system prompt of this many tokens."
+    ),
+    max_tokens: int = typer.Option(16, "--max-tokens", min=1, help="Tokens to generate per request."),
+    work_dir: Annotated[
+        Path | None, typer.Option("--work-dir", help="Keep the servers' logs and reports here.")
+    ] = None,
+    json_output: bool = typer.Option(False, "--json", help="Print the summary as one JSON line at the end."),
+) -> None:
+    """Run the end-to-end demo: a vLLM prefill server and a vLLM decode server of different TP sizes behind the
+    kvstage router, the tiny local model, every request verified (KV bit-exact, tokens equal to one instance)."""
+    if synthetic:
+        from kvstage.demo import print_report, run_demo
 
-    report = run_demo()
-    print_report(report)
-    if not report.ok:
+        report = run_demo()
+        print_report(report)
+        if not report.ok:
+            raise typer.Exit(code=1)
+        return
+    import json
+
+    from kvstage.e2e.demo import DemoOptions, print_summary
+    from kvstage.e2e.demo import run_demo as run_e2e
+
+    if shared_prefix_tokens >= prompt_tokens:
+        raise typer.BadParameter("must be below --prompt-tokens", param_hint="--shared-prefix-tokens")
+    options = DemoOptions(
+        prefill_tp=prefill_tp,
+        decode_tp=decode_tp,
+        requests=requests,
+        backend=backend,
+        prompt_tokens=prompt_tokens,
+        shared_prefix_tokens=shared_prefix_tokens,
+        max_tokens=max_tokens,
+        work_dir=work_dir,
+    )
+    e2e = run_e2e(options)
+    print_summary(e2e, options)
+    if json_output:
+        print(json.dumps(e2e.to_json()))
+    if not e2e.ok:
         raise typer.Exit(code=1)
 
 

@@ -1,0 +1,5 @@
+"""`python -m kvstage`: the `kvstage` command."""
+
+from kvstage.cli import main
+
+main()

@@ -1,0 +1,278 @@
+"""`kvstage demo`: prompts in, tokens out, through a vLLM prefill instance and a vLLM decode instance of
+different TP sizes, with kvstage moving the KV between them; every request verified twice.
+
+Owns `DemoOptions`, `DemoReport` and `run_demo`, which:
+1. builds the tiny local model once (kvstage.e2e.model) and starts, on the loopback address, a bootstrap service,
+   a vLLM prefill server (TP = prefill_tp), a vLLM decode server (TP = decode_tp), both with `KVStageConnector`,
+   and the `kvstage router` in front of them;
+2. runs every prompt once on the decode server alone (a single-instance vLLM run: the reference), then clears
+   its prefix cache so that the handoff starts cold;
+3. sends every prompt through the router with the `openai` client, streamed, timing the first token;
+4. verifies each request (a) bit for bit: the KV decode received equals prefill's, per page, layer, K/V and head
+   (digests the connector writes into the run's report folder), and (b) by its tokens: the greedy float32
+   completion equals the reference's;
+5. reads the ranks' counters (bytes, transfer operations, ring high water, ring bytes still live) and stops
+   every process.
+
+With `shared_prefix_tokens = N`, every prompt starts with the same N tokens; the first request goes alone, so the
+others find those tokens in decode's prefix cache and kvstage moves only the rest.
+Called by the `kvstage demo` command and the end-to-end tests.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import httpx
+
+from kvstage.e2e.model import TinyModelSpec, build_tiny_model
+from kvstage.e2e.servers import ManagedProcess, VLLMServerSpec, free_port, start_vllm
+from kvstage.e2e.verify import check_rooms, decode_rooms, read_counters
+from kvstage.transport.bootstrap import BootstrapServer
+
+#: Seconds a vLLM server may take to come up on a 2-core machine (about 55 s at TP 1, more at TP 2).
+START_TIMEOUT_S = 420.0
+
+
+@dataclass(frozen=True, slots=True)
+class DemoOptions:
+    prefill_tp: int = 2
+    decode_tp: int = 1
+    requests: int = 8
+    backend: str = "local"
+    prompt_tokens: int = 320
+    shared_prefix_tokens: int = 0
+    max_tokens: int = 16
+    concurrency: int = 4
+    seed: int = 1
+    work_dir: Path | None = None  # logs and reports; a temporary folder (removed) when None
+
+
+@dataclass(frozen=True, slots=True)
+class DemoReport:
+    requests: int
+    verified: int
+    mismatches: int
+    failed: int
+    leaked_bytes: int
+    kv_bytes: int
+    prefix_bytes_saved: int
+    transfer_gbps: float
+    ttft_p50_ms: float
+    ttft_p99_ms: float
+    tokens_per_s: float
+    transfer_ops: int = 0
+    ring_high_water_bytes: int = 0
+    problems: tuple[str, ...] = field(default=())
+
+    @property
+    def ok(self) -> bool:
+        return self.verified == self.requests and not self.mismatches and not self.failed and not self.leaked_bytes
+
+    def to_json(self) -> dict[str, object]:
+        out = asdict(self)
+        out["problems"] = list(self.problems)
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class _Answer:
+    text: str
+    ttft_s: float
+    error: str = ""
+
+
+def make_prompts(options: DemoOptions, vocab_size: int) -> list[list[int]]:
+    """Token-id prompts of `prompt_tokens` tokens; the first `shared_prefix_tokens` are the same in all."""
+    rng = random.Random(options.seed)
+    low = 2  # 0 and 1 are <s> and </s>
+    shared = [rng.randrange(low, vocab_size) for _ in range(options.shared_prefix_tokens)]
+    rest = options.prompt_tokens - len(shared)
+    return [shared + [rng.randrange(low, vocab_size) for _ in range(rest)] for _ in range(options.requests)]
+
+
+class _Stage:
+    """A progress display on stderr: one line per stage, with its duration."""
+
+    def __init__(self, quiet: bool) -> None:
+        from rich.console import Console
+
+        self.console = Console(stderr=True, quiet=quiet)
+
+    @contextlib.contextmanager
+    def __call__(self, what: str) -> Iterator[None]:
+        start = time.monotonic()
+        with self.console.status(what + " ..."):
+            yield
+        self.console.log(f"{what}: {time.monotonic() - start:.1f} s")
+
+
+def run_demo(options: DemoOptions = DemoOptions(), *, quiet: bool = False) -> DemoReport:
+    stage = _Stage(quiet)
+    with contextlib.ExitStack() as stack:
+        work = options.work_dir or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvstage-demo-")))
+        reports = work / "reports"
+        spec = TinyModelSpec()
+        with stage("building the tiny model (cached after the first run)"):
+            model = build_tiny_model(spec)
+        bootstrap = stack.enter_context(BootstrapServer(f"tcp://127.0.0.1:{free_port()}").start())
+        servers = _server_specs(options, model, bootstrap.address, reports)
+        procs = [start_vllm(s, work / "logs") for s in servers]
+        for proc in procs:
+            stack.callback(proc.stop)
+        with stage(f"starting vLLM prefill (TP={options.prefill_tp}) and decode (TP={options.decode_tp})"):
+            for proc in procs:
+                proc.wait_ready(START_TIMEOUT_S)
+        router = _start_router(servers, bootstrap.address, work / "logs")
+        stack.callback(router.stop)
+        with stage("starting the router"):
+            router.wait_ready(60.0)
+        prompts = make_prompts(options, spec.vocab_size)
+        with stage(f"reference: {len(prompts)} prompts on the decode server alone"):
+            reference = _run_all(servers[1].url, prompts, options, concurrency=options.concurrency)
+            httpx.post(f"{servers[1].url}/reset_prefix_cache", timeout=30.0).raise_for_status()
+        with stage(f"disaggregated: {len(prompts)} prompts through the router"):
+            start = time.monotonic()
+            answers = _run_all(router.url, prompts[:1], options, concurrency=1)
+            answers += _run_all(router.url, prompts[1:], options, concurrency=options.concurrency)
+            elapsed = time.monotonic() - start
+        with stage("collecting the ranks' reports"):
+            _wait_for_reports(reports, len(prompts), options.decode_tp)
+        return _report(options, spec, reports, reference, answers, elapsed)
+    raise AssertionError("unreachable")  # pragma: no cover - ExitStack does not swallow exceptions
+
+
+def _server_specs(options: DemoOptions, model: Path, bootstrap: str, reports: Path) -> tuple[VLLMServerSpec, ...]:
+    common = {"model": model, "bootstrap": bootstrap, "backend": options.backend, "report_dir": str(reports)}
+    prefill = VLLMServerSpec("prefill", "prefill", options.prefill_tp, free_port(), **common)  # type: ignore[arg-type]
+    decode = VLLMServerSpec("decode", "decode", options.decode_tp, free_port(), dev_mode=True, **common)  # type: ignore[arg-type]
+    return prefill, decode
+
+
+def _start_router(servers: tuple[VLLMServerSpec, ...], bootstrap: str, logs: Path) -> ManagedProcess:
+    port = free_port()
+    argv = [sys.executable, "-m", "kvstage", "router", "--bootstrap", bootstrap, "--port", str(port)]
+    for s in servers:
+        argv += [f"--{s.role}", f"{s.instance}={s.url}"]
+    return ManagedProcess("router", argv, logs / "router.log", f"http://127.0.0.1:{port}").start()
+
+
+def _run_all(url: str, prompts: list[list[int]], options: DemoOptions, *, concurrency: int) -> list[_Answer]:
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{url}/v1", api_key="kvstage-demo", max_retries=0, timeout=300.0)
+    with ThreadPoolExecutor(concurrency) as pool:
+        return list(pool.map(lambda p: _complete(client, p, options.max_tokens), prompts))
+
+
+def _complete(client: object, prompt: list[int], max_tokens: int) -> _Answer:
+    from openai import APIError, OpenAI
+
+    assert isinstance(client, OpenAI)
+    start = time.monotonic()
+    first: float | None = None
+    parts: list[str] = []
+    try:
+        stream = client.completions.create(
+            model="tiny", prompt=prompt, max_tokens=max_tokens, temperature=0.0, stream=True
+        )
+        for chunk in stream:
+            if first is None:
+                first = time.monotonic() - start
+            parts.extend(choice.text for choice in chunk.choices)
+    except APIError as exc:
+        return _Answer("", 0.0, f"{type(exc).__name__}: {exc}")
+    return _Answer("".join(parts), first or 0.0)
+
+
+def _wait_for_reports(folder: Path, rooms: int, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and len(decode_rooms(folder)) < rooms:
+        time.sleep(0.2)
+
+
+def _percentile(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    if len(values) == 1:
+        return values[0]
+    return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1]
+
+
+def _report(
+    options: DemoOptions,
+    spec: TinyModelSpec,
+    folder: Path,
+    reference: list[_Answer],
+    answers: list[_Answer],
+    elapsed: float,
+) -> DemoReport:
+    check = check_rooms(folder, num_layers=spec.num_layers, num_kv_heads=spec.num_kv_heads)
+    counters = read_counters(folder)
+    problems = [f"room {room}: {why}" for room, why in sorted(check.mismatched.items())]
+    failed = [a.error for a in answers if a.error]
+    problems += failed
+    token_mismatch = [
+        i for i, (a, r) in enumerate(zip(answers, reference, strict=True)) if not a.error and a.text != r.text
+    ]
+    problems += [f"request {i}: tokens differ from the single-instance run" for i in token_mismatch]
+    verified = min(len(check.verified), len(answers) - len(failed) - len(token_mismatch))
+    kv_bytes = sum(int(c["kvstage_transfer_bytes_total"]) for (role, _), c in counters.items() if role == "prefill")
+    busy = max((c["kvstage_transfer_busy_seconds_total"] for c in counters.values()), default=0.0)
+    token_bytes = spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * 4
+    room_failures = sum(int(c["kvstage_room_failures_total"]) for c in counters.values())
+    ttfts = [a.ttft_s * 1000 for a in answers if not a.error]
+    return DemoReport(
+        requests=len(answers),
+        verified=verified,
+        mismatches=len(check.mismatched) + len(token_mismatch),
+        failed=len(failed) + room_failures,
+        leaked_bytes=sum(int(c["kvstage_ring_live_bytes"]) for c in counters.values()),
+        kv_bytes=kv_bytes,
+        prefix_bytes_saved=sum(check.prefix_tokens.values()) * token_bytes,
+        transfer_gbps=kv_bytes / busy / 1e9 if busy else 0.0,
+        ttft_p50_ms=_percentile(ttfts, 50),
+        ttft_p99_ms=_percentile(ttfts, 99),
+        tokens_per_s=len(answers) * options.max_tokens / elapsed if elapsed else 0.0,
+        transfer_ops=sum(int(c["kvstage_transfer_ops_total"]) for c in counters.values()),
+        ring_high_water_bytes=max((int(c["kvstage_ring_high_water_bytes"]) for c in counters.values()), default=0),
+        problems=tuple(problems),
+    )
+
+
+def print_summary(report: DemoReport, options: DemoOptions) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"kvstage demo: vLLM prefill TP={options.prefill_tp} -> decode TP={options.decode_tp}")
+    table.add_column("measure")
+    table.add_column("value", justify="right")
+    rows = [
+        ("requests", f"{report.requests}"),
+        ("verified (KV bit-exact and tokens equal)", f"{report.verified}"),
+        ("mismatches", f"{report.mismatches}"),
+        ("failed", f"{report.failed}"),
+        ("leaked ring bytes", f"{report.leaked_bytes}"),
+        ("TTFT p50 / p99", f"{report.ttft_p50_ms:.0f} / {report.ttft_p99_ms:.0f} ms"),
+        ("tokens/s", f"{report.tokens_per_s:.1f}"),
+        ("KV bytes moved", f"{report.kv_bytes:,}"),
+        ("KV bytes saved by decode's prefix cache", f"{report.prefix_bytes_saved:,}"),
+        ("transfer ops", f"{report.transfer_ops}"),
+        ("transfer rate", f"{report.transfer_gbps:.2f} GB/s"),
+        ("ring high water", f"{report.ring_high_water_bytes:,} B"),
+    ]
+    for name, value in rows:
+        table.add_row(name, value)
+    console = Console()
+    console.print(table)
+    for problem in report.problems:
+        console.print(f"[red]{problem}[/red]")

@@ -1,0 +1,184 @@
+"""Processes of an end-to-end run: vLLM servers with the kvstage connector, and the kvstage router.
+
+Owns `VLLMServerSpec` (one vLLM OpenAI server: its role, instance name, TP size, port and kvstage settings),
+`ManagedProcess` (a child process in its own process group, with its log file, readiness wait, graceful stop and
+kill -9 of the whole group), and the functions that start each kind. Nothing here knows about requests.
+
+Invariants: every process started here is in its own session, so stopping or killing it takes its workers with
+it; a process that exits before it is ready raises at once with the tail of its log; `stop` always reaps.
+Called by the demo (kvstage.e2e.demo) and the end-to-end tests.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from kvstage.errors import KVStageError
+
+#: Tokens a request may span (prompt + completion) on the tiny model's servers.
+MAX_MODEL_LEN = 2048
+
+
+class ProcessFailed(KVStageError):
+    """A managed process exited, or never became ready."""
+
+
+def free_port() -> int:
+    """A TCP port on the loopback address that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+@dataclass
+class ManagedProcess:
+    """A child process in its own process group, logging to `log_path`, ready when `url` + /health answers."""
+
+    name: str
+    argv: list[str]
+    log_path: Path
+    url: str
+    env: dict[str, str] = field(default_factory=dict)
+    proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> ManagedProcess:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with self.log_path.open("wb") as log:
+            self.proc = subprocess.Popen(
+                self.argv, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **self.env}, start_new_session=True
+            )
+        return self
+
+    def wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc is None or self.proc.poll() is not None:
+                raise ProcessFailed(f"{self.name} exited before it was ready; its log ends:\n{self.log_tail()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass  # not listening yet
+            time.sleep(0.5)
+        raise ProcessFailed(f"{self.name} was not ready within {timeout_s:.0f} s; its log ends:\n{self.log_tail()}")
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def kill(self) -> None:
+        """kill -9 of the whole process group (a crash, as the failure tests want it)."""
+        self._signal(signal.SIGKILL)
+        self._reap(10.0)
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """SIGTERM, then SIGKILL of the group after `timeout_s`."""
+        self._signal(signal.SIGTERM)
+        if not self._reap(timeout_s):
+            self.kill()
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except FileNotFoundError:
+            return "(no log)"
+
+    def _signal(self, sig: int) -> None:
+        if self.proc is None:
+            return
+        with contextlib.suppress(ProcessLookupError):  # already gone
+            os.killpg(self.proc.pid, sig)
+
+    def _reap(self, timeout_s: float) -> bool:
+        if self.proc is None:
+            return True
+        try:
+            self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            return False
+        # The group may outlive its leader (vLLM's workers): make sure none is left.
+        self._signal(signal.SIGKILL)
+        return True
+
+
+@dataclass(frozen=True, slots=True)
+class VLLMServerSpec:
+    """One vLLM server with the kvstage connector. `role` is "prefill" or "decode"."""
+
+    role: str
+    instance: str
+    tp: int
+    port: int
+    model: Path
+    bootstrap: str
+    backend: str = "local"
+    report_dir: str = ""
+    kv_cache_gib: int = 1
+    dev_mode: bool = False  # vLLM's development endpoints, e.g. POST /reset_prefix_cache
+    extra_config: tuple[tuple[str, object], ...] = ()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def kv_transfer_config(self) -> dict[str, object]:
+        extra: dict[str, object] = {"instance": self.instance, "bootstrap": self.bootstrap, "backend": self.backend}
+        if self.report_dir:
+            extra["report_dir"] = self.report_dir
+        extra.update(dict(self.extra_config))
+        return {
+            "kv_connector": "KVStageConnector",
+            "kv_connector_module_path": "kvstage.integrations.vllm",
+            "kv_role": "kv_producer" if self.role == "prefill" else "kv_consumer",
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": extra,
+        }
+
+    def argv(self) -> list[str]:
+        return [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(self.model),
+            "--served-model-name",
+            "tiny",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--dtype",
+            "float32",
+            "--max-model-len",
+            str(MAX_MODEL_LEN),
+            "--tensor-parallel-size",
+            str(self.tp),
+            "--kv-transfer-config",
+            json.dumps(self.kv_transfer_config()),
+        ]
+
+    def env(self) -> dict[str, str]:
+        """vLLM on CPU: a small KV cache, and each TP rank bound to a core of its own (the box has two)."""
+        env = {"VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib), "VLLM_CPU_OMP_THREADS_BIND": "auto"}
+        if self.dev_mode:
+            env["VLLM_SERVER_DEV_MODE"] = "1"
+        if self.tp > 1:
+            cores = max(os.cpu_count() or 1, self.tp)
+            env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(r % cores) for r in range(self.tp))
+        return env
+
+
+def start_vllm(spec: VLLMServerSpec, log_dir: Path) -> ManagedProcess:
+    name = f"{spec.role} {spec.instance} (TP={spec.tp})"
+    return ManagedProcess(name, spec.argv(), log_dir / f"{spec.instance}.log", spec.url, spec.env()).start()

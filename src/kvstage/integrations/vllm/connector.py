@@ -1,0 +1,154 @@
+"""`KVStageConnector`: kvstage as a vLLM v1 KV connector (`KVConnectorBase_V1`).
+
+Owns the class vLLM instantiates, once in the scheduler process (role SCHEDULER) and once in every worker (role
+WORKER). It holds the checked settings and delegates: scheduler hooks to `scheduler.SchedulerSide`, worker hooks
+to `worker.WorkerSide`. Each primitive, with the side that calls it:
+
+    scheduler  get_num_new_matched_tokens  update_state_after_alloc  build_connector_meta  request_finished
+               update_connector_output  has_pending_push_work  bind_kv_cache_manager
+    worker     register_kv_caches  bind_connector_metadata (rooms start here, before the forward)
+               start_load_kv / wait_for_layer_load / save_kv_layer (no-ops: kvstage moves KV off the forward path)
+               wait_for_save (prefill: the step's KV is ready)  get_transfer_results  shutdown
+
+Select it with `--kv-transfer-config '{"kv_connector": "KVStageConnector", "kv_connector_module_path":
+"kvstage.integrations.vllm", "kv_role": "kv_producer" | "kv_consumer", "kv_load_failure_policy": "recompute",
+"kv_connector_extra_config": {"instance": ..., "bootstrap": ...}}'` (docs/vllm.md).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+)
+
+from kvstage.errors import ConfigError
+from kvstage.integrations.vllm.metadata import StepMetadata
+from kvstage.integrations.vllm.scheduler import SchedulerSide
+from kvstage.integrations.vllm.settings import ConnectorSettings
+from kvstage.integrations.vllm.worker import WorkerSide
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger("kvstage.vllm")
+
+
+class KVStageConnector(KVConnectorBase_V1):
+    """See the module docstring."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        transfer = self._kv_transfer_config
+        if transfer.kv_role not in ("kv_producer", "kv_consumer"):
+            raise ConfigError(
+                f"kvstage: kv_role must be 'kv_producer' (prefill) or 'kv_consumer' (decode), got {transfer.kv_role!r}"
+            )
+        parallel = vllm_config.parallel_config
+        if parallel.pipeline_parallel_size > 1:
+            raise ConfigError("kvstage: pipeline parallelism > 1 is not supported (staging needs pp_size == 1)")
+        if vllm_config.model_config.use_mla:
+            raise ConfigError("kvstage: MLA models are not supported by the vLLM connector in this version")
+        settings = ConnectorSettings.from_extra_config(transfer.kv_connector_extra_config)
+        producer = transfer.kv_role == "kv_producer"
+        if not producer and transfer.kv_load_failure_policy != "recompute":
+            log.warning(
+                "kvstage: kv_load_failure_policy=%r: a request whose KV handoff fails will fail; set 'recompute' "
+                "to have vLLM compute its prompt instead",
+                transfer.kv_load_failure_policy,
+            )
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = SchedulerSide(producer, vllm_config.cache_config.block_size)
+        else:
+            self._worker = WorkerSide(settings, vllm_config, producer)
+
+    # ---- worker side --------------------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._worker_side().register_kv_caches(kv_caches)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        assert isinstance(connector_metadata, StepMetadata)
+        self._worker_side().bind(connector_metadata)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        """Nothing to start: rooms began at bind_connector_metadata and land asynchronously."""
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Nothing to wait for: a request runs only after its whole KV has landed."""
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any
+    ) -> None:
+        """Nothing per layer: kvstage reads the step's KV once the forward is done (wait_for_save)."""
+
+    def wait_for_save(self) -> None:
+        self._worker_side().wait_for_save()
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        results = self._worker_side().transfer_results(finished_req_ids)
+        return KVConnectorTransferResults(
+            finished_sending=results.finished_sending,
+            finished_recving=results.finished_recving,
+            failed_recving=results.failed_recving,
+        )
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        results = self.get_transfer_results(finished_req_ids)
+        return results.finished_sending, results.finished_recving
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+
+    # ---- scheduler side -----------------------------------------------------------------------------------
+
+    def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        self._scheduler_side().bind_kv_cache_manager(kv_cache_manager)
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self._scheduler_side().get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        self._scheduler_side().update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        return self._scheduler_side().build_connector_meta(scheduler_output)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self._scheduler_side().request_finished(request, block_ids)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        self._scheduler_side().update_connector_output(connector_output)
+
+    def has_pending_push_work(self) -> bool:
+        return self._scheduler is not None and self._scheduler.has_pending_push_work()
+
+    # ---- plumbing -----------------------------------------------------------------------------------------
+
+    def _worker_side(self) -> WorkerSide:
+        if self._worker is None:
+            raise ConfigError("kvstage: a worker hook was called on the scheduler's connector")
+        return self._worker
+
+    def _scheduler_side(self) -> SchedulerSide:
+        if self._scheduler is None:
+            raise ConfigError("kvstage: a scheduler hook was called on a worker's connector")
+        return self._scheduler

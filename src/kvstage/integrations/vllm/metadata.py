@@ -1,0 +1,57 @@
+"""What the connector's scheduler side tells its worker side each step (vLLM pickles it to every rank).
+
+Owns the per-step records: `ExpectRoom` (decode: register a request's room before prefill hears of it),
+`ComputeStep` (prefill: this step computes tokens [.., end_tokens) of a room, in these blocks), `AbortRoom`, and
+`StepMetadata`, their container. Frozen values with no behaviour; built by `scheduler.py`, read by `worker.py`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+
+@dataclass(frozen=True, slots=True)
+class ExpectRoom:
+    """Decode: `req_id`'s KV for tokens [prefix_tokens, num_tokens) comes from `peer` (TP `peer_tp`) in `room`."""
+
+    req_id: str
+    room: int
+    peer: str
+    peer_tp: int
+    num_tokens: int
+    prefix_tokens: int
+    blocks: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ComputeStep:
+    """Prefill: this step computes tokens [.., end_tokens) of `req_id`'s `num_tokens`-token prompt in `blocks`.
+
+    `first` is set on the room's first step: the worker attaches the room (for decode TP `peer_tp`) then."""
+
+    req_id: str
+    room: int
+    peer_tp: int
+    num_tokens: int
+    end_tokens: int
+    blocks: tuple[int, ...]
+    first: bool
+
+
+@dataclass(frozen=True, slots=True)
+class AbortRoom:
+    """vLLM gave up on `req_id` (an abort or a client that went away): end its room."""
+
+    req_id: str
+    room: int
+
+
+@dataclass
+class StepMetadata(KVConnectorMetadata):
+    """Everything the workers do for kvstage in one scheduler step."""
+
+    expect: list[ExpectRoom] = field(default_factory=list)
+    compute: list[ComputeStep] = field(default_factory=list)
+    abort: list[AbortRoom] = field(default_factory=list)

@@ -1,0 +1,100 @@
+"""What a rank reports for end-to-end checks: per-page digests of the KV it sent or received, and its counters.
+
+Owns `page_digests` (one 64-bit BLAKE2b digest per (layer, K/V, global head, page of the request), read straight
+from the engine's own KV tensors), `agent_counters` (an agent's transfer and ring counters, summed over its
+Prometheus samples) and `RankReport`, which appends one JSON line per room (digests) and per outcome (counters)
+to a file of its rank.
+Keys name global heads, so digests from ranks of different TP sizes compare directly: decode's digest of a page
+equals prefill's exactly when the bytes are equal. Pages are the request's pages in order (index 0 holds tokens
+[0, page_size)), so decode's prefix-cache hit simply starts at a later page.
+
+Called by the connector's worker side (`worker.py`) when `report_dir` is set; read by `kvstage.e2e.verify`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from prometheus_client import CollectorRegistry
+
+from kvstage.dataplane.engine_kv import EngineKV
+
+
+def page_digests(
+    kv: EngineKV, global_heads: Sequence[int], blocks: Sequence[int], num_tokens: int, first_page: int
+) -> dict[str, str]:
+    """Digests of pages [first_page, len(blocks)) of a request of `num_tokens` tokens, keyed
+    `"layer.kv.global_head.page"`. Only the page's tokens below `num_tokens` are read."""
+    page_size = kv.layout.page_size
+    out: dict[str, str] = {}
+    for layer in range(kv.layout.num_layers):
+        for kv_index, view in enumerate((kv.k(layer), kv.v(layer))):
+            for page in range(first_page, len(blocks)):
+                valid = min(page_size, num_tokens - page * page_size)
+                rows = view[blocks[page], :valid]
+                for local, head in enumerate(global_heads):
+                    data = rows[:, local].contiguous().view(torch.uint8).cpu().numpy().tobytes()
+                    out[f"{layer}.{kv_index}.{head}.{page}"] = hashlib.blake2b(data, digest_size=8).hexdigest()
+    return out
+
+
+#: Counters a rank reports (sums over the agent's samples of each metric).
+COUNTERS = (
+    "kvstage_transfer_bytes_total",
+    "kvstage_transfer_ops_total",
+    "kvstage_transfer_busy_seconds_total",
+    "kvstage_room_failures_total",
+    "kvstage_ring_high_water_bytes",
+    "kvstage_ring_live_bytes",
+)
+
+
+def agent_counters(registry: CollectorRegistry) -> dict[str, float]:
+    """The `COUNTERS` of one agent's registry, each summed over its labels (0 where the role has none)."""
+    totals = dict.fromkeys(COUNTERS, 0.0)
+    for metric in registry.collect():
+        for sample in metric.samples:
+            if sample.name in totals:
+                totals[sample.name] += sample.value
+    return totals
+
+
+class RankReport:
+    """Appends `{"kind": "room", "room", "role", "rank", "num_tokens", "page_size", "first_page", "digests"}` and
+    `{"kind": "counters", "role", "rank", ...COUNTERS}` lines to one file per rank (the last counters line is
+    the rank's state)."""
+
+    def __init__(self, folder: str, role: str, instance: str, rank: int) -> None:
+        path = Path(folder)
+        path.mkdir(parents=True, exist_ok=True)
+        self._path = path / f"{role}-{instance}-{rank}.jsonl"
+        self._role = role
+        self._rank = rank
+        self._lock = threading.Lock()
+
+    def room(self, room: int, num_tokens: int, page_size: int, first_page: int, digests: dict[str, str]) -> None:
+        self._append(
+            {
+                "kind": "room",
+                "room": room,
+                "role": self._role,
+                "rank": self._rank,
+                "num_tokens": num_tokens,
+                "page_size": page_size,
+                "first_page": first_page,
+                "digests": digests,
+            }
+        )
+
+    def counters(self, registry: CollectorRegistry) -> None:
+        self._append({"kind": "counters", "role": self._role, "rank": self._rank, **agent_counters(registry)})
+
+    def _append(self, record: dict[str, object]) -> None:
+        line = json.dumps(record)
+        with self._lock, self._path.open("a") as f:
+            f.write(line + "\n")

@@ -1,0 +1,84 @@
+"""The connector's settings: what goes in vLLM's `kv_transfer_config.kv_connector_extra_config`.
+
+Owns `ConnectorSettings`, parsed and checked once per process from the extra config, with every unknown key and
+every bad value refused by name (a typo in a deployment file fails at start, not at the first request). Pure
+values; called by the connector's scheduler and worker sides.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import MISSING, dataclass, fields
+from typing import Any
+
+from kvstage.errors import ConfigError
+
+BACKENDS = ("local", "mooncake", "nixl")
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectorSettings:
+    """One vLLM instance's kvstage settings (the same on every rank of the instance).
+
+    - `instance`: this instance's name; the router and the peer instance address it by this name.
+    - `bootstrap`: the rendezvous service every rank registers with (`kvstage bootstrap`).
+    - `backend`: the data transport, "local" (same host), "mooncake" or "nixl".
+    - `host`: the address peers reach this instance's ranks at (control plane and transport).
+    - `chunk_tokens`: the staging grid; 0 picks the smallest multiple of the block size that is at least 256.
+    - `ring_mib` (decode) / `staging_mib` (prefill): staging memory per rank.
+    - `room_timeout_s`: a request's KV handoff ends, with success or a stated failure, by this deadline.
+    - `report_dir`: when set, each rank appends per-page digests of the KV it sent or received, and its
+      transfer counters, to a file there (the demo's checks). Off by default: it reads every byte once more.
+    """
+
+    instance: str
+    bootstrap: str = "tcp://127.0.0.1:7100"
+    backend: str = "local"
+    host: str = "127.0.0.1"
+    chunk_tokens: int = 0
+    ring_mib: int = 256
+    staging_mib: int = 64
+    room_timeout_s: float = 120.0
+    report_dir: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.instance or "/" in self.instance:
+            raise ConfigError(f"kvstage: 'instance' must be a non-empty name without '/', got {self.instance!r}")
+        if self.backend not in BACKENDS:
+            raise ConfigError(f"kvstage: 'backend' must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
+        for name in ("ring_mib", "staging_mib"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"kvstage: {name!r} must be positive, got {getattr(self, name)!r}")
+        if self.chunk_tokens < 0:
+            raise ConfigError(f"kvstage: 'chunk_tokens' must be 0 (automatic) or positive, got {self.chunk_tokens}")
+        if not self.room_timeout_s > 0:
+            raise ConfigError(f"kvstage: 'room_timeout_s' must be positive, got {self.room_timeout_s!r}")
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorSettings:
+        extra = dict(extra or {})
+        known = {f.name: f for f in fields(cls)}
+        unknown = sorted(set(extra) - set(known))
+        if unknown:
+            raise ConfigError(f"kvstage: unknown kv_connector_extra_config key(s) {unknown}; known: {sorted(known)}")
+        if "instance" not in extra:
+            raise ConfigError("kvstage: kv_connector_extra_config needs 'instance' (this vLLM instance's name)")
+        values: dict[str, Any] = {}
+        for name, value in extra.items():
+            default = known[name].default
+            kind = str if isinstance(default, type(MISSING)) else type(default)
+            try:
+                values[name] = kind(value)
+            except (TypeError, ValueError) as exc:
+                raise ConfigError(f"kvstage: {name!r} must be a {kind.__name__}, got {value!r}") from exc
+        return cls(**values)
+
+    def chunk_tokens_for(self, block_size: int) -> int:
+        """The staging grid for vLLM's block size: the setting, or the smallest block multiple >= 256 tokens."""
+        if self.chunk_tokens:
+            if self.chunk_tokens % block_size:
+                raise ConfigError(
+                    f"kvstage: chunk_tokens={self.chunk_tokens} must be a multiple of vLLM's block size {block_size}"
+                )
+            return self.chunk_tokens
+        return block_size * max(1, -(-256 // block_size))
