@@ -17,6 +17,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "kvstage"
 
 #: Top to bottom. A part may import itself and any part of a lower layer; parts of one layer are independent.
 LAYERS: tuple[tuple[str, ...], ...] = (
+    ("__main__",),
     ("cli",),
     ("bench", "demo", "router"),
     ("e2e",),
