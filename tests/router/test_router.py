@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
 
@@ -280,3 +281,16 @@ def test_a_tp_size_is_looked_up_again_and_kept_while_the_bootstrap_is_down(pair,
     time.sleep(0.3)
     assert httpx.post(router.url + "/v1/completions", json=BODY, timeout=10).status_code == 200
     assert [r.body["kv_transfer_params"]["kvstage_peer_tp"] for r in prefill.received] == [1, 2, 2]
+
+
+def test_client_gone_while_sending_its_body_reaches_no_upstream(pair, start_router) -> None:
+    prefill, decode = pair
+    router = start_router([prefill.instance], [decode.instance])
+    host, port = router.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as sock:
+        head = f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Length: 1000\r\n\r\n"
+        sock.sendall(head.encode() + b'{"prompt": ')
+    outcome = {"endpoint": "/v1/completions", "outcome": "client_disconnected"}
+    wait_until(lambda: router.metric("kvstage_router_requests_total", **outcome) == 1, "the request to end")
+    assert router.metric("kvstage_router_in_flight_requests") == 0
+    assert not prefill.received and not decode.received

@@ -34,6 +34,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
 from kvstage.router.instances import Instance, InstanceUnavailable, RoundRobin, TPDirectory
@@ -237,6 +238,9 @@ class Router:
         except _BadBody as exc:
             exchange.finish("bad_request", cancel_prefill=True)
             return _error(exc.status, str(exc), "invalid_request_error")
+        except ClientDisconnect:
+            exchange.finish("client_disconnected", cancel_prefill=True)
+            return Response(status_code=499)
         prefill, decode = self._prefill.pick(), self._decode.pick()
         room = new_room()
         try:
