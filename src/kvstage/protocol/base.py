@@ -175,8 +175,9 @@ class EndpointCore(ABC):
         """subclass: the action carrying `token` completed (`peer_gone`: it failed because the peer is gone)."""
 
     @abstractmethod
-    def _fail_by_id(self, room: int, reason: str) -> None:
-        """subclass: fail `room` if it is still active (used for SendFailed)."""
+    def _fail_by_id(self, room: int, peer_id: str, reason: str) -> None:
+        """subclass: fail `room` if it is still active and `peer_id` has a part in it (used for SendFailed: a
+        failed send to a peer with no part in a room, e.g. a reply to a stranger naming it, never changes it)."""
 
     def _watermark(self) -> WireWatermark | None:
         """subclass (decode): the watermark every outgoing envelope carries."""
@@ -328,7 +329,7 @@ class EndpointCore(ABC):
         self.stats.sends_failed += 1
         body = event.envelope.body
         if isinstance(body, RoomBody):
-            self._fail_by_id(body.room, reasons.SEND_FAILED)
+            self._fail_by_id(body.room, event.peer, reasons.SEND_FAILED)
 
     def _on_tick(self, event: Tick) -> None:
         now = self._now

@@ -5,23 +5,9 @@ ring (one allocation per chunk, shared by the chunk's writers), arrival counting
 completion by arrival (R5), and release on every terminal path (R1) with quarantine until no write can land
 (R6). It serves many prefill peers and many rooms at once; rooms may mix TP pairs and paths (R12).
 
-Room states (a room is forgotten, and remembered in a bounded closed-room record, after its last state):
-
-| state       | on                                        | actions                                 | next        |
-|-------------|-------------------------------------------|-----------------------------------------|-------------|
-| (none)      | ExpectRoom                                | Send Metadata to each writer (retried)  | ACTIVE      |
-| ACTIVE      | StagingRequest(chunk) from a writer       | allocate once per chunk; Send Grant     | ACTIVE      |
-| ACTIVE      | ChunkReady(chunk, epoch) of every writer  | staged: Scatter; direct: chunk done     | ACTIVE      |
-| ACTIVE      | Completion(scatter, ok), last chunk       | ring.free; RoomSucceeded                | (forgotten) |
-| ACTIVE      | AbortRoom, writer's Abort, deadline, peer | RoomFailed(reason); Send Abort to the   | FENCING or  |
-|             | lost, scatter/send failure, oversized     | other writers (retried); FenceScatter   | QUARANTINED |
-|             |                                           | if a scatter of the room is in flight   |             |
-| FENCING     | Completion(fence)                         | staged: FreePages                       | QUARANTINED |
-| QUARANTINED | every granted writer confirmed (AbortAck, | ring.free of the room's regions;        | QUARANTINED |
-|             | its Abort, or its incarnation fenced)     | direct: FreePages                       |             |
-| QUARANTINED | every writer confirmed                    | forget                                  | (forgotten) |
-
-`_TRANSITIONS` below is this table's state graph; `_move` refuses any other transition.
+Room states: `states.DECODE_ROOM` is the table (docs/protocol.md shows it). Every guard on a room's state asks
+`DECODE_ROOM.can`, and every change goes through `DECODE_ROOM.move`, which refuses an edge not in the table. A
+room is forgotten, and remembered in a bounded closed-room record, after its last state.
 
 Inbound checks (R10, B1): a message for an unknown room allocates nothing and is answered (GrantRefused
 "unknown room"/"room closed", ChunkAck, AbortAck); the sender must be a writer of the room; chunk indices
@@ -35,7 +21,6 @@ broadcast to peers with open rooms whenever it moves. Called by runtime/ and sim
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
 
 from kvstage.errors import ConfigError, InvalidRequest, StagingOversized
@@ -63,28 +48,10 @@ from kvstage.protocol.messages import (
     WireWatermark,
 )
 from kvstage.protocol.plans import choose_path, staging_plan
+from kvstage.protocol.states import DECODE_ROOM, DecodeRoomState, DecodeTrigger
 from kvstage.ring import Allocation, StagingRing
 
-
-class DecodeRoomState(enum.Enum):
-    ACTIVE = "active"
-    FENCING = "fencing"  # failed; waiting for the FenceScatter completion
-    QUARANTINED = "quarantined"  # failed and fenced; waiting until no write can land, then for every ack
-
-
-_TRANSITIONS: frozenset[tuple[DecodeRoomState, DecodeRoomState]] = frozenset(
-    {
-        (DecodeRoomState.ACTIVE, DecodeRoomState.FENCING),
-        (DecodeRoomState.ACTIVE, DecodeRoomState.QUARANTINED),
-        (DecodeRoomState.FENCING, DecodeRoomState.QUARANTINED),
-    }
-)
-
-
-def _move(r: _Room, new: DecodeRoomState) -> None:
-    if (r.state, new) not in _TRANSITIONS:
-        raise AssertionError(f"room {r.room}: no transition {r.state.value} -> {new.value}")
-    r.state = new
+_T = DecodeTrigger
 
 
 @dataclass(slots=True, eq=False)
@@ -108,7 +75,7 @@ class _Room:
     epoch: int  # direct path: the epoch every grant and ChunkReady of this room carries
     plan_full: StagingPlan
     plan_last: StagingPlan
-    state: DecodeRoomState = DecodeRoomState.ACTIVE
+    state: DecodeRoomState = DecodeRoomState.NONE
     reason: str | None = None  # why it failed
     chunks: dict[int, _Chunk] = field(default_factory=dict)
     done_chunks: int = 0
@@ -252,6 +219,7 @@ class DecodeEndpoint(EndpointCore):
             plan_full=plan_full,
             plan_last=plan_last,
         )
+        DECODE_ROOM.move(r, _T.EXPECT, r.room)
         self._rooms[r.room] = r
         return r
 
@@ -304,7 +272,7 @@ class DecodeEndpoint(EndpointCore):
             self.stats.reject("staging request from a non-writer" if slot is None else "chunk index out of range")
             self._refuse(peer, body, reasons.PROTOCOL_VIOLATION)
             return
-        if r.state is not DecodeRoomState.ACTIVE:
+        if not DECODE_ROOM.can(r, _T.GRANT):
             self._refuse(peer, body, reasons.ROOM_CLOSED)
             return
         self._bind(r, peer)
@@ -354,7 +322,7 @@ class DecodeEndpoint(EndpointCore):
         if slot is None or body.chunk >= r.num_chunks:
             self.stats.reject("chunk ready from a non-writer" if slot is None else "chunk index out of range")
             return
-        if r.state is not DecodeRoomState.ACTIVE:
+        if not DECODE_ROOM.can(r, _T.CHUNK_READY):
             self.stats.stale_dropped += 1  # our Abort to this writer is being retried
             return
         self._bind(r, peer)
@@ -388,6 +356,7 @@ class DecodeEndpoint(EndpointCore):
         chunk.done = True
         r.done_chunks += 1
         if r.done_chunks == r.num_chunks:
+            DECODE_ROOM.move(r, _T.SUCCEED, r.room)
             self.stats.rooms_succeeded += 1
             self._out.append(RoomSucceeded(r.room))
             self._forget(r, None)
@@ -403,7 +372,7 @@ class DecodeEndpoint(EndpointCore):
 
     def _on_abort_ack(self, peer: Peer, body: AbortAck) -> None:
         r = self._writer_room(peer, body.room, "AbortAck")
-        if r is None or r.state is DecodeRoomState.ACTIVE:
+        if r is None or not DECODE_ROOM.can(r, _T.ABORT_ACK):
             self.stats.duplicates += 1
             return
         self._confirm(r, peer.peer_id)
@@ -420,13 +389,13 @@ class DecodeEndpoint(EndpointCore):
         if r is None:
             return  # a scatter completing after its room's fence completed and the room was released
         if index < 0:
-            _move(r, DecodeRoomState.QUARANTINED)
+            DECODE_ROOM.move(r, _T.FENCED, r.room)
             self._return_pages_after_fence(r)
             self._settle(r)
             return
         chunk = r.chunks[index]
         r.scatters_in_flight -= 1
-        if r.state is not DecodeRoomState.ACTIVE:
+        if not DECODE_ROOM.can(r, _T.SCATTERED):
             return  # the fence covers it; its region is freed with the room's
         if not ok:
             self._fail(r, reasons.SCATTER_FAILED)
@@ -438,7 +407,7 @@ class DecodeEndpoint(EndpointCore):
 
     def _deadline_live(self, when: float, room: int) -> bool:
         r = self._rooms.get(room)
-        return r is not None and r.state is DecodeRoomState.ACTIVE and r.deadline == when
+        return r is not None and DECODE_ROOM.can(r, _T.FAIL) and r.deadline == when
 
     def _on_deadline(self, when: float, room: int) -> None:
         if self._deadline_live(when, room):
@@ -478,7 +447,7 @@ class DecodeEndpoint(EndpointCore):
     # ---- release (R1, R6) -------------------------------------------------------------------------------------
     def _fail(self, r: _Room, reason: str) -> None:
         """Fail an ACTIVE room (idempotent): report, tell the writers, fence scatters, then release."""
-        if r.state is not DecodeRoomState.ACTIVE:
+        if not DECODE_ROOM.can(r, _T.FAIL):
             return
         r.reason = reason
         self.stats.failures[reason] += 1
@@ -487,12 +456,12 @@ class DecodeEndpoint(EndpointCore):
         for peer_id in r.unconfirmed():
             self._request("abort", peer_id, Abort(room=r.room, reason=reason))
         if r.scatters_in_flight:
-            _move(r, DecodeRoomState.FENCING)
+            DECODE_ROOM.move(r, _T.FAIL_SCATTERING, r.room)
             token = self._new_token()
             self._tokens[token] = (r.room, -1)
             self._out.append(FenceScatter(token, r.room))
             return
-        _move(r, DecodeRoomState.QUARANTINED)
+        DECODE_ROOM.move(r, _T.FAIL, r.room)
         self._return_pages_after_fence(r)
         self._settle(r)
 
@@ -515,7 +484,7 @@ class DecodeEndpoint(EndpointCore):
 
     def _settle(self, r: _Room) -> None:
         """QUARANTINED: release ring space and pages once no write can land; forget once every writer knows."""
-        if r.state is not DecodeRoomState.QUARANTINED or r.unsafe():
+        if not DECODE_ROOM.can(r, _T.RELEASE) or r.unsafe():
             return
         if not r.regions_freed:
             r.regions_freed = True
@@ -525,11 +494,11 @@ class DecodeEndpoint(EndpointCore):
                     chunk.region = None
         self._free_pages(r)
         if not r.unconfirmed():
+            DECODE_ROOM.move(r, _T.FORGET, r.room)
             self._forget(r, r.reason)
 
     def _forget(self, r: _Room, reason: str | None) -> None:
-        if self._rooms.get(r.room) is not r:
-            return
+        """The room just moved to FORGOTTEN: drop it, and remember it as closed."""
         del self._rooms[r.room]
         self._retrier.stop_room(r.room)
         self._closed.remember(r.room, reason)

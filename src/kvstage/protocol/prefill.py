@@ -6,27 +6,10 @@ ring region is free (R9), one bulk write per chunk and link (or page-to-page wri
 ChunkReady notices retried until acknowledged (R4), and the abort protocol: an abort is acknowledged, and
 RoomFailed reported, only once no write of the room is in flight (R6).
 
-Room states (a room is forgotten, and remembered in a bounded closed-room record, after its last state):
-
-| state    | on                                            | actions                                    | next        |
-|----------|-----------------------------------------------|--------------------------------------------|-------------|
-| (none)   | AttachRoom, this rank writes to no decode rank | RoomSucceeded                             | (forgotten) |
-| (none)   | AttachRoom                                    | adopt metadata that arrived first          | ACTIVE      |
-| ACTIVE   | Metadata from a target decode rank            | MetadataAck; request staging              | ACTIVE      |
-| ACTIVE   | ComputeScheduled(end)                         | StagingRequest for chunks starting < end,  | ACTIVE      |
-|          |                                               | in order, at most max_chunks_ahead unwritten |           |
-| ACTIVE   | Grant / KVReady / watermark moved             | region ready and KV computed: WriteRegion  | ACTIVE      |
-|          |                                               | or WriteDirect; otherwise park the chunk   |             |
-| ACTIVE   | Completion(write, ok)                         | ChunkReady (retried until ChunkAck)        | ACTIVE      |
-| ACTIVE   | last ChunkAck of every link                   | RoomSucceeded                              | (forgotten) |
-| ACTIVE   | AbortRoom, decode's Abort, deadline, peer     | stop requests, unpark                      | DRAINING    |
-|          | lost, write/send failure, bad grant/metadata  |                                            |             |
-| DRAINING | no write of the room in flight                | RoomFailed; AbortAck to decode ranks that  | CLOSING     |
-|          |                                               | aborted; Abort (retried) to the others     |             |
-| CLOSING  | AbortAck / Abort / death of each such peer    | forget                                     | (forgotten) |
-
-Writer chunk states per link: REQUESTED -> GRANTED (parked while its region is not ready) -> WRITING ->
-NOTIFYING -> acknowledged (dropped from the table). A grant is only used in REQUESTED; duplicates are counted.
+Room states and the chunk states of each link: `states.PREFILL_ROOM` and `states.PREFILL_CHUNK` are the tables
+(docs/protocol.md shows them). Every guard on a state asks the table's `can`, and every change goes through its
+`move`, which refuses an edge not in the table. A grant is used only in REQUESTED; duplicates are counted. A
+room is forgotten, and remembered in a bounded closed-room record, after its last state.
 
 Inbound checks (R10, B1): Metadata is checked against this rank's layout and TP and, once attached, against
 the room; metadata of rooms not yet attached is capped per peer and expires with its ttl; grants are checked
@@ -35,7 +18,6 @@ for chunk range and region size; unknown rooms allocate nothing. Called by runti
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
 
 from kvstage.errors import ConfigError, InvalidRequest
@@ -61,35 +43,26 @@ from kvstage.protocol.messages import (
     WireWatermark,
 )
 from kvstage.protocol.plans import staging_plan, transfers_of_writer
+from kvstage.protocol.states import (
+    PREFILL_CHUNK,
+    PREFILL_ROOM,
+    ChunkState,
+    ChunkTrigger,
+    PrefillRoomState,
+    PrefillTrigger,
+)
 from kvstage.ring import Allocation, Watermark, region_ready
 
+__all__ = ["PrefillEndpoint", "PrefillRoomState"]
+
 _ZERO = Watermark(0, 0)
-
-
-class PrefillRoomState(enum.Enum):
-    ACTIVE = "active"
-    DRAINING = "draining"  # failed; waiting for in-flight writes to complete
-    CLOSING = "closing"  # failed and drained; waiting for decode ranks to acknowledge the abort
-
-
-_TRANSITIONS: frozenset[tuple[PrefillRoomState, PrefillRoomState]] = frozenset(
-    {
-        (PrefillRoomState.ACTIVE, PrefillRoomState.DRAINING),
-        (PrefillRoomState.DRAINING, PrefillRoomState.CLOSING),
-    }
-)
-
-
-class ChunkState(enum.Enum):
-    REQUESTED = "requested"
-    GRANTED = "granted"
-    WRITING = "writing"
-    NOTIFYING = "notifying"
+_T = PrefillTrigger
+_C = ChunkTrigger
 
 
 @dataclass(slots=True, eq=False)
 class _Chunk:
-    state: ChunkState = ChunkState.REQUESTED
+    state: ChunkState = ChunkState.NONE
     region: Allocation | None = None
 
 
@@ -115,7 +88,7 @@ class _Link:
 
     def holds_grants(self) -> bool:
         """Whether the decode peer ever granted this link anything (a chunk past REQUESTED, or acknowledged)."""
-        return self.acked > 0 or any(chunk.state is not ChunkState.REQUESTED for chunk in self.chunks.values())
+        return self.acked > 0 or any(not PREFILL_CHUNK.can(chunk, _C.GRANT) for chunk in self.chunks.values())
 
     def plan(self, index: int) -> StagingPlan:
         plan = self.plan_last if index == self.num_chunks - 1 else self.plan_full
@@ -135,19 +108,13 @@ class _Room:
     scheduled: int = 0  # tokens the engine is computing or has computed
     ready: int = 0  # tokens whose KV is computed
     pages: tuple[int, ...] = ()
-    state: PrefillRoomState = PrefillRoomState.ACTIVE
+    state: PrefillRoomState = PrefillRoomState.NONE
     reason: str = ""
     in_flight: int = 0  # writes issued and not completed
     links_done: int = 0
     owe_ack: dict[str, None] = field(default_factory=dict)  # decode peers that aborted: AbortAck when drained
     lost: dict[str, None] = field(default_factory=dict)  # decode peers gone: no Abort to them
     awaiting: dict[str, None] = field(default_factory=dict)  # decode peers our Abort waits on
-
-
-def _move(r: _Room, new: PrefillRoomState) -> None:
-    if (r.state, new) not in _TRANSITIONS:
-        raise AssertionError(f"room {r.room}: no transition {r.state.value} -> {new.value}")
-    r.state = new
 
 
 class PrefillEndpoint(EndpointCore):
@@ -227,8 +194,9 @@ class PrefillEndpoint(EndpointCore):
         self.stats.rooms_opened += 1
         r = _Room(event.room, event.num_tokens, event.decode_tp, event.deadline, frozenset(targets))
         if not r.targets:  # every head this rank holds is written by a replica
-            self._succeed(r)
+            self._succeed(r, _T.ATTACH_NOTHING)
             return
+        PREFILL_ROOM.move(r, _T.ATTACH, r.room)
         self._rooms[r.room] = r
         self._deadlines.push(r.deadline, r.room)
         for peer_id, (metadata, _) in self._pending.pop(r.room, {}).items():
@@ -268,7 +236,7 @@ class PrefillEndpoint(EndpointCore):
         r = self._rooms.get(room)
         if r is None and room not in self._closed:
             raise InvalidRequest(f"room {room} is not attached on {self.peer_id}")
-        return r if r is not None and r.state is PrefillRoomState.ACTIVE else None
+        return r if r is not None and PREFILL_ROOM.can(r, _T.COMPUTE) else None
 
     # ---- metadata ---------------------------------------------------------------------------------------------
     def _metadata_problem(self, m: Metadata) -> str | None:
@@ -329,7 +297,7 @@ class PrefillEndpoint(EndpointCore):
             self.stats.duplicates += 1
             self._send(peer.peer_id, MetadataAck(room=r.room))
             return
-        if r.state is not PrefillRoomState.ACTIVE:
+        if not PREFILL_ROOM.can(r, _T.METADATA):
             self._send(peer.peer_id, Abort(room=r.room, reason=r.reason))  # no link, so no write to it
             return
         problem = self._metadata_problem(m)
@@ -365,7 +333,7 @@ class PrefillEndpoint(EndpointCore):
     # ---- chunk flow -------------------------------------------------------------------------------------------
     def _pump(self, r: _Room) -> None:
         for link in list(r.links.values()):
-            if r.state is not PrefillRoomState.ACTIVE:
+            if not PREFILL_ROOM.can(r, _T.COMPUTE):
                 return
             self._pump_link(r, link)
 
@@ -376,14 +344,15 @@ class PrefillEndpoint(EndpointCore):
             index = link.next_request
             if link.span(index).start >= r.scheduled:
                 break
-            link.chunks[index] = _Chunk()
+            chunk = link.chunks[index] = _Chunk()
+            PREFILL_CHUNK.move(chunk, _C.REQUEST, (r.room, index))
             link.next_request += 1
             link.unwritten += 1
             self._request("stage", link.peer_id, StagingRequest(room=r.room, chunk=index), index)
         for index, chunk in list(link.chunks.items()):
-            if chunk.state is ChunkState.GRANTED:
+            if PREFILL_CHUNK.can(chunk, _C.WRITE):
                 self._try_write(r, link, index, chunk)
-            if r.state is not PrefillRoomState.ACTIVE:
+            if not PREFILL_ROOM.can(r, _T.WRITE):
                 return
 
     def _try_write(self, r: _Room, link: _Link, index: int, chunk: _Chunk) -> None:
@@ -398,7 +367,7 @@ class PrefillEndpoint(EndpointCore):
             peer.parked[key] = None
             return
         peer.parked.pop(key, None)
-        chunk.state = ChunkState.WRITING
+        PREFILL_CHUNK.move(chunk, _C.WRITE, key)
         token = self._new_token()
         self._tokens[token] = (r.room, link.peer_id, index)
         r.in_flight += 1
@@ -454,7 +423,7 @@ class PrefillEndpoint(EndpointCore):
 
     def _link_of(self, peer: Peer, room: int) -> tuple[_Room, _Link] | None:
         r = self._rooms.get(room)
-        if r is None or r.state is not PrefillRoomState.ACTIVE:
+        if r is None or not PREFILL_ROOM.can(r, _T.WRITE):
             return None
         link = r.links.get(peer.peer_id)
         return None if link is None else (r, link)
@@ -469,7 +438,7 @@ class PrefillEndpoint(EndpointCore):
             self.stats.reject("chunk index out of range")
             return
         chunk = link.chunks.get(g.chunk)
-        if chunk is None or chunk.state is not ChunkState.REQUESTED:
+        if chunk is None or not PREFILL_CHUNK.can(chunk, _C.GRANT):
             self.stats.duplicates += 1
             return
         if link.plan_full is None and g.epoch != link.meta.epoch:
@@ -483,7 +452,7 @@ class PrefillEndpoint(EndpointCore):
             return
         self._answered("stage", peer.peer_id, r.room, g.chunk)
         chunk.region = Allocation(g.epoch, g.round, g.offset, g.end)
-        chunk.state = ChunkState.GRANTED
+        PREFILL_CHUNK.move(chunk, _C.GRANT, (r.room, g.chunk))
         self._try_write(r, link, g.chunk, chunk)
 
     def _on_grant_refused(self, peer: Peer, m: GrantRefused) -> None:
@@ -493,26 +462,28 @@ class PrefillEndpoint(EndpointCore):
             return
         r, link = found
         chunk = link.chunks.get(m.chunk)
-        if chunk is None or chunk.state is not ChunkState.REQUESTED or m.reason == reasons.UNKNOWN_ROOM:
+        if chunk is None or not PREFILL_CHUNK.can(chunk, _C.REFUSED) or m.reason == reasons.UNKNOWN_ROOM:
             return  # R2: an unknown room is retried (the request stays outstanding) until the deadline
         self._fail(r, reasons.ROOM_CLOSED if m.reason == reasons.ROOM_CLOSED else reasons.PROTOCOL_VIOLATION)
 
     def _on_chunk_ack(self, peer: Peer, m: ChunkAck) -> None:
         found = self._link_of(peer, m.room)
         chunk = None if found is None else found[1].chunks.get(m.chunk)
-        if found is None or chunk is None or chunk.state is not ChunkState.NOTIFYING:
+        if found is None or chunk is None or not PREFILL_CHUNK.can(chunk, _C.ACK):
             self.stats.duplicates += 1
             return
         r, link = found
         self._answered("ready", peer.peer_id, r.room, m.chunk)
+        PREFILL_CHUNK.move(chunk, _C.ACK, (r.room, m.chunk))
         del link.chunks[m.chunk]
         link.acked += 1
         if link.acked == link.num_chunks:
             r.links_done += 1
             if r.links_done == len(r.targets):
-                self._succeed(r)
+                self._succeed(r, _T.SUCCEED)
 
-    def _succeed(self, r: _Room) -> None:
+    def _succeed(self, r: _Room, trigger: PrefillTrigger) -> None:
+        PREFILL_ROOM.move(r, trigger, r.room)
         self.stats.rooms_succeeded += 1
         self._out.append(RoomSucceeded(r.room))
         self._forget(r, None)
@@ -526,7 +497,7 @@ class PrefillEndpoint(EndpointCore):
         room, peer_id, index = entry
         r = self._rooms[room]  # a room with a write in flight is never forgotten
         r.in_flight -= 1
-        if r.state is PrefillRoomState.DRAINING:
+        if not PREFILL_ROOM.can(r, _T.WRITTEN):  # DRAINING: a failed room's writes only count down
             if not r.in_flight:
                 self._drained(r)
             return
@@ -536,7 +507,7 @@ class PrefillEndpoint(EndpointCore):
         link = r.links[peer_id]
         chunk = link.chunks[index]
         assert chunk.region is not None
-        chunk.state = ChunkState.NOTIFYING
+        PREFILL_CHUNK.move(chunk, _C.WRITTEN, (r.room, index))
         link.unwritten -= 1
         self._request("ready", peer_id, ChunkReady(room=r.room, chunk=index, epoch=chunk.region.epoch), index)
         self._pump_link(r, link)
@@ -544,13 +515,13 @@ class PrefillEndpoint(EndpointCore):
     def _deadline_live(self, when: float, room: int) -> bool:
         r = self._rooms.get(room)
         if r is not None:
-            return r.state is PrefillRoomState.ACTIVE and r.deadline == when
+            return PREFILL_ROOM.can(r, _T.FAIL) and r.deadline == when
         return any(expires == when for _, expires in self._pending.get(room, {}).values())
 
     def _on_deadline(self, when: float, room: int) -> None:
         r = self._rooms.get(room)
         if r is not None:
-            if r.state is PrefillRoomState.ACTIVE and r.deadline == when:
+            if PREFILL_ROOM.can(r, _T.FAIL) and r.deadline == when:
                 self._fail(r, reasons.TIMEOUT)
             return
         entries = self._pending.get(room)
@@ -599,26 +570,26 @@ class PrefillEndpoint(EndpointCore):
             self._send(peer.peer_id, AbortAck(room=m.room))  # nothing of ours can land: no room, no write
             return
         r.owe_ack[peer.peer_id] = None
-        if r.state is PrefillRoomState.ACTIVE:
+        if PREFILL_ROOM.can(r, _T.FAIL):
             self._fail(r, reasons.ABORTED_BY_DECODE)
-        elif r.state is PrefillRoomState.CLOSING:
+        elif PREFILL_ROOM.can(r, _T.ACKNOWLEDGE):
             self._send(peer.peer_id, AbortAck(room=r.room))
             self._acknowledged(r, peer.peer_id)
 
     def _on_abort_ack(self, peer: Peer, m: AbortAck) -> None:
         r = self._rooms.get(m.room)
-        if r is None or r.state is not PrefillRoomState.CLOSING or peer.peer_id not in r.awaiting:
+        if r is None or not PREFILL_ROOM.can(r, _T.ACKNOWLEDGE) or peer.peer_id not in r.awaiting:
             self.stats.duplicates += 1
             return
         self._acknowledged(r, peer.peer_id)
 
     def _fail(self, r: _Room, reason: str) -> None:
         """Fail an ACTIVE room (idempotent): stop asking and writing, then drain in-flight writes."""
-        if r.state is not PrefillRoomState.ACTIVE:
+        if not PREFILL_ROOM.can(r, _T.FAIL):
             return
         r.reason = reason
         self.stats.failures[reason] += 1
-        _move(r, PrefillRoomState.DRAINING)
+        PREFILL_ROOM.move(r, _T.FAIL, r.room)
         self._retrier.stop_room(r.room)
         for peer_id, link in r.links.items():
             peer = self._peers.get(peer_id)
@@ -630,7 +601,7 @@ class PrefillEndpoint(EndpointCore):
 
     def _drained(self, r: _Room) -> None:
         """No write of the room can land any more: report, acknowledge aborts, tell the other decode ranks."""
-        _move(r, PrefillRoomState.CLOSING)
+        PREFILL_ROOM.move(r, _T.DRAINED, r.room)
         self._out.append(RoomFailed(r.room, r.reason))
         for peer_id in {**r.links, **r.owe_ack}:
             if peer_id in r.owe_ack:
@@ -639,6 +610,7 @@ class PrefillEndpoint(EndpointCore):
                 r.awaiting[peer_id] = None
                 self._request("abort", peer_id, Abort(room=r.room, reason=r.reason))
         if not r.awaiting:
+            PREFILL_ROOM.move(r, _T.FORGET, r.room)
             self._forget(r, r.reason)
 
     def _acknowledged(self, r: _Room, peer_id: str) -> None:
@@ -646,7 +618,8 @@ class PrefillEndpoint(EndpointCore):
         if peer_id in r.awaiting:
             del r.awaiting[peer_id]
             self._answered("abort", peer_id, r.room)
-        if r.state is PrefillRoomState.CLOSING and not r.awaiting:
+        if PREFILL_ROOM.can(r, _T.FORGET) and not r.awaiting:
+            PREFILL_ROOM.move(r, _T.FORGET, r.room)
             self._forget(r, r.reason)
 
     def _forget(self, r: _Room, reason: str | None) -> None:
