@@ -93,7 +93,9 @@ def _write_tokenizer(spec: TinyModelSpec, folder: Path) -> None:
         show_progress=False,
     )
     tokenizer.train_from_iterator(CORPUS, trainer=trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>")
+    fast = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
+        tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>"
+    )
     fast.chat_template = (
         "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
         "{% if add_generation_prompt %}assistant:{% endif %}"
@@ -116,10 +118,10 @@ def _write_model(spec: TinyModelSpec, folder: Path) -> None:
         bos_token_id=0,
         eos_token_id=1,
         tie_word_embeddings=False,
-        torch_dtype=spec.dtype,
+        dtype=spec.dtype,
     )
     torch.manual_seed(spec.seed)
-    model = LlamaForCausalLM(config).to(getattr(torch, spec.dtype))
+    model = LlamaForCausalLM(config).to(getattr(torch, spec.dtype))  # type: ignore[no-untyped-call]
     # Random weights at the default init give near-uniform logits; a wider spread gives greedy decoding clear
     # winners, so a token mismatch means a real difference in the KV, not a tie broken by rounding.
     with torch.no_grad():

@@ -84,6 +84,7 @@ class SchedulerSide:
         self._kv_cache_manager: KVCacheManager | None = None
         self._next = StepMetadata()
         self._waiting: dict[str, RoomParams] = {}  # decode: requests whose KV is on its way
+        self._tried: set[str] = set()  # decode: requests that had their room (at most one each, until they finish)
         self._prefilling: dict[str, _PrefillRequest] = {}  # prefill: requests being computed
         self._sending: dict[str, int] = {}  # prefill: finished requests whose blocks kvstage still reads
 
@@ -93,8 +94,8 @@ class SchedulerSide:
     # ---- decode -------------------------------------------------------------------------------------------
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
-        if self._producer or request.request_id in self._waiting or RoomParams.of(request) is None:
-            return 0, False
+        if self._producer or request.request_id in self._tried or RoomParams.of(request) is None:
+            return 0, False  # a request whose room failed is recomputed by vLLM: it never gets a second room
         remaining = request.num_prompt_tokens - num_computed_tokens
         return (remaining, True) if remaining > 0 else (0, False)
 
@@ -106,8 +107,9 @@ class SchedulerSide:
             if request.request_id not in self._prefilling:
                 self._prefilling[request.request_id] = _PrefillRequest(params, request.num_prompt_tokens)
             return
-        if num_external_tokens <= 0 or request.request_id in self._waiting:
-            return
+        if num_external_tokens <= 0 or request.request_id in self._tried:
+            return  # vLLM calls again once the KV has landed, for the blocks of the tokens that follow
+        self._tried.add(request.request_id)
         num_tokens = request.num_prompt_tokens
         block_ids = tuple(blocks.get_block_ids()[0])
         self._waiting[request.request_id] = params
@@ -134,6 +136,7 @@ class SchedulerSide:
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         req_id = request.request_id
         aborted = request.status.name == "FINISHED_ABORTED"
+        self._tried.discard(req_id)
         if params := self._waiting.pop(req_id, None):  # decode, still waiting: vLLM holds the blocks for us
             self._next.abort.append(AbortRoom(req_id, params.room))
             return False, None

@@ -8,12 +8,13 @@ values; called by the connector's scheduler and worker sides.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import MISSING, dataclass, fields
+from dataclasses import dataclass, fields
 from typing import Any
 
 from kvstage.errors import ConfigError
 
 BACKENDS = ("local", "mooncake", "nixl")
+_KINDS: dict[str, type] = {"str": str, "int": int, "float": float}
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,8 +66,7 @@ class ConnectorSettings:
             raise ConfigError("kvstage: kv_connector_extra_config needs 'instance' (this vLLM instance's name)")
         values: dict[str, Any] = {}
         for name, value in extra.items():
-            default = known[name].default
-            kind = str if isinstance(default, type(MISSING)) else type(default)
+            kind = _KINDS[str(known[name].type)]
             try:
                 values[name] = kind(value)
             except (TypeError, ValueError) as exc:

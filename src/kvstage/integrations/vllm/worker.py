@@ -102,8 +102,9 @@ class WorkerSide:
             ring_bytes=s.ring_mib << 20,
             staging_bytes=s.staging_mib << 20,
         )
-        agent_type = PrefillAgent if self._producer else DecodeAgent
-        self._agent = agent_type(config, self._kv).start()
+        agent = PrefillAgent(config, self._kv) if self._producer else DecodeAgent(config, self._kv)
+        agent.start()
+        self._agent = agent
         if s.report_dir:
             role = "prefill" if self._producer else "decode"
             self._report = RankReport(s.report_dir, role, s.instance, self._rank)
