@@ -4,24 +4,23 @@ Owns the prefill side of every room: which decode ranks this rank writes to (fro
 metadata of each (a "link"), staging requests in chunk production order (R11), parking chunks until their
 ring region is free (R9), one bulk write per chunk and link (or page-to-page writes on the direct path, R12),
 ChunkReady notices retried until acknowledged (R4), and the abort protocol: an abort is acknowledged, and
-RoomFailed reported, only once no write of the room is in flight (R6).
+RoomFailed reported, only once no write of the room is in flight (R6). prefill_rooms.py has the records it keeps
+per room, link and chunk.
 
 Room states and the chunk states of each link: `states.PREFILL_ROOM` and `states.PREFILL_CHUNK` are the tables
 (docs/protocol.md shows them). Every guard on a state asks the table's `can`, and every change goes through its
 `move`, which refuses an edge not in the table. A grant is used only in REQUESTED; duplicates are counted. A
 room is forgotten, and remembered in a bounded closed-room record, after its last state.
 
-Inbound checks (R10, B1): Metadata is checked against this rank's layout and TP and, once attached, against
-the room; metadata of rooms not yet attached is capped per peer and expires with its ttl; grants are checked
-for chunk range and region size; unknown rooms allocate nothing. Called by runtime/ and sim/.
+Inbound checks (R10, B1): Metadata is checked (metadata.py) against this rank's layout and TP and, once
+attached, against the room; metadata of rooms not yet attached is capped per peer and expires with its ttl;
+grants are checked for chunk range and region size; unknown rooms allocate nothing. Called by runtime/ and sim/.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 from kvstage.errors import ConfigError, InvalidRequest
-from kvstage.layout import Chunk, ChunkGrid, HeadTransfer, StagingPlan, WriterBlock, ceil_div, pages_for
+from kvstage.layout import WriterBlock, pages_for
 from kvstage.protocol import reasons
 from kvstage.protocol.actions import RoomFailed, RoomSucceeded, WriteDirect, WriteRegion
 from kvstage.protocol.base import EndpointCore, Peer
@@ -29,8 +28,6 @@ from kvstage.protocol.codec import Codec
 from kvstage.protocol.config import PrefillConfig
 from kvstage.protocol.events import AbortRoom, AttachRoom, ComputeScheduled, KVReady
 from kvstage.protocol.messages import (
-    DIRECT,
-    MAX_CHUNKS,
     Abort,
     AbortAck,
     ChunkAck,
@@ -42,11 +39,12 @@ from kvstage.protocol.messages import (
     StagingRequest,
     WireWatermark,
 )
-from kvstage.protocol.plans import staging_plan, transfers_of_writer
+from kvstage.protocol.metadata import attached_metadata_problem, metadata_problem
+from kvstage.protocol.plans import transfers_of_writer
+from kvstage.protocol.prefill_rooms import Link, WriterChunk, WriterRoom
 from kvstage.protocol.states import (
     PREFILL_CHUNK,
     PREFILL_ROOM,
-    ChunkState,
     ChunkTrigger,
     PrefillRoomState,
     PrefillTrigger,
@@ -60,63 +58,6 @@ _T = PrefillTrigger
 _C = ChunkTrigger
 
 
-@dataclass(slots=True, eq=False)
-class _Chunk:
-    state: ChunkState = ChunkState.NONE
-    region: Allocation | None = None
-
-
-@dataclass(slots=True, eq=False)
-class _Link:
-    """This rank's part of one room towards one decode rank."""
-
-    peer_id: str
-    meta: Metadata
-    grid: ChunkGrid  # the decode rank's grid (Metadata.chunk_tokens)
-    num_chunks: int
-    transfer: HeadTransfer
-    plan_full: StagingPlan | None  # staged only
-    plan_last: StagingPlan | None
-    chunks: dict[int, _Chunk] = field(default_factory=dict)  # not yet acknowledged
-    next_request: int = 0
-    unwritten: int = 0  # requested but not yet written (R11 window)
-    acked: int = 0
-
-    def span(self, index: int) -> Chunk:
-        """Chunk `index`: its tokens of the room."""
-        return self.grid.chunk(index, self.meta.num_tokens, self.meta.prefix_tokens)
-
-    def holds_grants(self) -> bool:
-        """Whether the decode peer ever granted this link anything (a chunk past REQUESTED, or acknowledged)."""
-        return self.acked > 0 or any(not PREFILL_CHUNK.can(chunk, _C.GRANT) for chunk in self.chunks.values())
-
-    def plan(self, index: int) -> StagingPlan:
-        plan = self.plan_last if index == self.num_chunks - 1 else self.plan_full
-        assert plan is not None
-        return plan
-
-
-@dataclass(slots=True, eq=False)
-class _Room:
-    room: int
-    num_tokens: int
-    decode_tp: int
-    deadline: float
-    targets: frozenset[int]  # decode ranks this rank writes to
-    links: dict[str, _Link] = field(default_factory=dict)  # by decode peer id
-    ranks: dict[int, str] = field(default_factory=dict)  # decode rank -> peer id of its link
-    scheduled: int = 0  # tokens the engine is computing or has computed
-    ready: int = 0  # tokens whose KV is computed
-    pages: tuple[int, ...] = ()
-    state: PrefillRoomState = PrefillRoomState.NONE
-    reason: str = ""
-    in_flight: int = 0  # writes issued and not completed
-    links_done: int = 0
-    owe_ack: dict[str, None] = field(default_factory=dict)  # decode peers that aborted: AbortAck when drained
-    lost: dict[str, None] = field(default_factory=dict)  # decode peers gone: no Abort to them
-    awaiting: dict[str, None] = field(default_factory=dict)  # decode peers our Abort waits on
-
-
 class PrefillEndpoint(EndpointCore):
     """One prefill rank. `handle(event, now) -> list[Action]`; see kvstage.protocol for the API."""
 
@@ -125,7 +66,7 @@ class PrefillEndpoint(EndpointCore):
     def __init__(self, config: PrefillConfig, session: int, *, codec: Codec | None = None) -> None:
         super().__init__(config.peer_id, session, config.timing, config.limits, codec)
         self.config = config
-        self._rooms: dict[int, _Room] = {}
+        self._rooms: dict[int, WriterRoom] = {}
         self._pending: dict[int, dict[str, tuple[Metadata, float]]] = {}  # metadata before AttachRoom
         self._tokens: dict[int, tuple[int, str, int]] = {}  # write token -> (room, decode peer, chunk)
         self._event_handlers.update(
@@ -192,7 +133,7 @@ class PrefillEndpoint(EndpointCore):
         except ConfigError as exc:
             raise InvalidRequest(f"room {event.room}: decode_tp={event.decode_tp} is unusable: {exc}") from exc
         self.stats.rooms_opened += 1
-        r = _Room(event.room, event.num_tokens, event.decode_tp, event.deadline, frozenset(targets))
+        r = WriterRoom(event.room, event.num_tokens, event.decode_tp, event.deadline, frozenset(targets))
         if not r.targets:  # every head this rank holds is written by a replica
             self._succeed(r, _T.ATTACH_NOTHING)
             return
@@ -231,7 +172,7 @@ class PrefillEndpoint(EndpointCore):
         if r is not None:
             self._fail(r, reasons.ABORTED_BY_PREFILL)
 
-    def _engine_room(self, room: int) -> _Room | None:
+    def _engine_room(self, room: int) -> WriterRoom | None:
         """The ACTIVE room an engine call names; None if it already ended; InvalidRequest if never attached."""
         r = self._rooms.get(room)
         if r is None and room not in self._closed:
@@ -239,31 +180,6 @@ class PrefillEndpoint(EndpointCore):
         return r if r is not None and PREFILL_ROOM.can(r, _T.COMPUTE) else None
 
     # ---- metadata ---------------------------------------------------------------------------------------------
-    def _metadata_problem(self, m: Metadata) -> str | None:
-        """Why `m` cannot be served by this rank whatever the room, or None."""
-        cfg = self.config
-        page_size = cfg.layout.page_size
-        if m.prefill_tp != cfg.tp_size or m.page_size != page_size:
-            return "metadata for another prefill TP size or page size"
-        if not m.decode_rank < m.decode_tp:
-            return "decode rank outside its TP group"
-        try:
-            targets = transfers_of_writer(cfg.layout.num_kv_heads, cfg.tp_size, m.decode_tp, cfg.rank)
-        except ConfigError:
-            return "decode TP size incompatible with the KV heads"
-        if m.decode_rank not in targets:
-            return "metadata from a decode rank this rank does not write to"
-        if not 0 <= m.prefix_tokens < m.num_tokens or m.prefix_tokens % page_size:
-            return "prefix not page-aligned or not below num_tokens"
-        if m.chunk_tokens <= 0 or m.chunk_tokens % page_size:
-            return "chunk_tokens not a positive multiple of the page size"
-        if ceil_div(m.num_tokens - m.prefix_tokens, m.chunk_tokens) > MAX_CHUNKS:
-            return "too many chunks"
-        expected_pages = pages_for(m.num_tokens, page_size) if m.path == DIRECT else 0
-        if len(m.pages) != expected_pages:
-            return "page count does not match num_tokens"
-        return None
-
     def _on_metadata(self, peer: Peer, m: Metadata) -> None:
         r = self._rooms.get(m.room)
         if r is not None:
@@ -273,7 +189,7 @@ class PrefillEndpoint(EndpointCore):
             reason = self._closed[m.room]
             self._send(peer.peer_id, MetadataAck(room=m.room) if reason is None else Abort(room=m.room, reason=reason))
             return
-        problem = self._metadata_problem(m)
+        problem = metadata_problem(self.config, m)
         if problem is not None or len(peer.rooms) >= self.limits.max_rooms_per_peer:
             self.stats.reject(problem or "room cap of the peer reached")
             why = reasons.BAD_METADATA if problem else reasons.OVERLOADED
@@ -290,7 +206,7 @@ class PrefillEndpoint(EndpointCore):
             self._deadlines.push(expires, m.room)
         self._send(peer.peer_id, MetadataAck(room=m.room))
 
-    def _adopt(self, r: _Room, peer: Peer, m: Metadata) -> None:
+    def _adopt(self, r: WriterRoom, peer: Peer, m: Metadata) -> None:
         """Link `r` to the decode rank that sent `m` (idempotent), or fail the room if `m` does not fit it."""
         link = r.links.get(peer.peer_id)
         if link is not None:
@@ -300,51 +216,35 @@ class PrefillEndpoint(EndpointCore):
         if not PREFILL_ROOM.can(r, _T.METADATA):
             self._send(peer.peer_id, Abort(room=r.room, reason=r.reason))  # no link, so no write to it
             return
-        problem = self._metadata_problem(m)
-        if problem is None and (m.num_tokens != r.num_tokens or m.decode_tp != r.decode_tp):
-            problem = "metadata disagrees with the attached room"
-        if problem is None and m.decode_rank in r.ranks:
-            problem = "two peers claim the same decode rank"
+        problem = attached_metadata_problem(self.config, m, r.num_tokens, r.decode_tp, r.ranks)
         if problem is not None:
             self.stats.reject(problem)
             self._send(peer.peer_id, Abort(room=r.room, reason=reasons.BAD_METADATA))
             self._fail(r, reasons.BAD_METADATA)
             return
         peer.sent_metadata = True
-        link = self._new_link(peer.peer_id, m)
+        link = Link.from_metadata(self.config, peer.peer_id, m)
         r.links[peer.peer_id] = link
         r.ranks[m.decode_rank] = peer.peer_id
         peer.rooms[r.room] = None
         self._send(peer.peer_id, MetadataAck(room=r.room))
         self._pump_link(r, link)
 
-    def _new_link(self, peer_id: str, m: Metadata) -> _Link:
-        cfg = self.config
-        grid = ChunkGrid(m.chunk_tokens, m.page_size)
-        num_chunks = grid.num_chunks(m.num_tokens, m.prefix_tokens)
-        transfer = transfers_of_writer(cfg.layout.num_kv_heads, cfg.tp_size, m.decode_tp, cfg.rank)[m.decode_rank]
-        plan_full = plan_last = None
-        if m.path != DIRECT:
-            last_tokens = grid.chunk(num_chunks - 1, m.num_tokens, m.prefix_tokens).num_tokens
-            plan_full = staging_plan(cfg.layout, cfg.tp_size, m.decode_tp, m.decode_rank, m.chunk_tokens)
-            plan_last = staging_plan(cfg.layout, cfg.tp_size, m.decode_tp, m.decode_rank, last_tokens)
-        return _Link(peer_id, m, grid, num_chunks, transfer, plan_full, plan_last)
-
     # ---- chunk flow -------------------------------------------------------------------------------------------
-    def _pump(self, r: _Room) -> None:
+    def _pump(self, r: WriterRoom) -> None:
         for link in list(r.links.values()):
             if not PREFILL_ROOM.can(r, _T.COMPUTE):
                 return
             self._pump_link(r, link)
 
-    def _pump_link(self, r: _Room, link: _Link) -> None:
+    def _pump_link(self, r: WriterRoom, link: Link) -> None:
         """R11: request staging in chunk order for chunks about to be computed; write whatever can be written."""
         window = self.limits.max_chunks_ahead
         while link.next_request < link.num_chunks and link.unwritten < window:
             index = link.next_request
             if link.span(index).start >= r.scheduled:
                 break
-            chunk = link.chunks[index] = _Chunk()
+            chunk = link.chunks[index] = WriterChunk()
             PREFILL_CHUNK.move(chunk, _C.REQUEST, (r.room, index))
             link.next_request += 1
             link.unwritten += 1
@@ -355,7 +255,7 @@ class PrefillEndpoint(EndpointCore):
             if not PREFILL_ROOM.can(r, _T.WRITE):
                 return
 
-    def _try_write(self, r: _Room, link: _Link, index: int, chunk: _Chunk) -> None:
+    def _try_write(self, r: WriterRoom, link: Link, index: int, chunk: WriterChunk) -> None:
         """Write a granted chunk once its KV is computed and (staged) its region is ready; else park it (R9)."""
         span = link.span(index)
         if span.end > r.ready:
@@ -421,7 +321,7 @@ class PrefillEndpoint(EndpointCore):
             r, link = found
             self._try_write(r, link, index, link.chunks[index])
 
-    def _link_of(self, peer: Peer, room: int) -> tuple[_Room, _Link] | None:
+    def _link_of(self, peer: Peer, room: int) -> tuple[WriterRoom, Link] | None:
         r = self._rooms.get(room)
         if r is None or not PREFILL_ROOM.can(r, _T.WRITE):
             return None
@@ -482,7 +382,7 @@ class PrefillEndpoint(EndpointCore):
             if r.links_done == len(r.targets):
                 self._succeed(r, _T.SUCCEED)
 
-    def _succeed(self, r: _Room, trigger: PrefillTrigger) -> None:
+    def _succeed(self, r: WriterRoom, trigger: PrefillTrigger) -> None:
         PREFILL_ROOM.move(r, trigger, r.room)
         self.stats.rooms_succeeded += 1
         self._out.append(RoomSucceeded(r.room))
@@ -583,7 +483,7 @@ class PrefillEndpoint(EndpointCore):
             return
         self._acknowledged(r, peer.peer_id)
 
-    def _fail(self, r: _Room, reason: str) -> None:
+    def _fail(self, r: WriterRoom, reason: str) -> None:
         """Fail an ACTIVE room (idempotent): stop asking and writing, then drain in-flight writes."""
         if not PREFILL_ROOM.can(r, _T.FAIL):
             return
@@ -599,7 +499,7 @@ class PrefillEndpoint(EndpointCore):
         if not r.in_flight:
             self._drained(r)
 
-    def _drained(self, r: _Room) -> None:
+    def _drained(self, r: WriterRoom) -> None:
         """No write of the room can land any more: report, acknowledge aborts, tell the other decode ranks."""
         PREFILL_ROOM.move(r, _T.DRAINED, r.room)
         self._out.append(RoomFailed(r.room, r.reason))
@@ -613,7 +513,7 @@ class PrefillEndpoint(EndpointCore):
             PREFILL_ROOM.move(r, _T.FORGET, r.room)
             self._forget(r, r.reason)
 
-    def _acknowledged(self, r: _Room, peer_id: str) -> None:
+    def _acknowledged(self, r: WriterRoom, peer_id: str) -> None:
         """`peer_id` knows the room failed; forget the room once every decode rank does."""
         if peer_id in r.awaiting:
             del r.awaiting[peer_id]
@@ -622,7 +522,7 @@ class PrefillEndpoint(EndpointCore):
             PREFILL_ROOM.move(r, _T.FORGET, r.room)
             self._forget(r, r.reason)
 
-    def _forget(self, r: _Room, reason: str | None) -> None:
+    def _forget(self, r: WriterRoom, reason: str | None) -> None:
         if self._rooms.get(r.room) is r:
             del self._rooms[r.room]
         self._retrier.stop_room(r.room)

@@ -1,0 +1,57 @@
+"""Validation of the `Metadata` a decode rank sends a prefill rank: what makes it unusable, in one place.
+
+Owns `metadata_problem` (whatever the room: this rank's TP, page size and heads, the room's token and chunk
+bounds, the page count of the direct path) and `attached_metadata_problem` (also against the room the prefill
+engine attached). Each returns the problem as a short phrase, counted by the endpoint under
+`messages_rejected`, or None. A problem is never raised: the sender is answered `Abort("bad metadata")` (R10).
+
+Pure. Called by prefill.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Container
+
+from kvstage.errors import ConfigError
+from kvstage.layout import ceil_div, pages_for
+from kvstage.protocol.config import PrefillConfig
+from kvstage.protocol.messages import DIRECT, MAX_CHUNKS, Metadata
+from kvstage.protocol.plans import transfers_of_writer
+
+
+def metadata_problem(config: PrefillConfig, m: Metadata) -> str | None:
+    """Why `m` cannot be served by this prefill rank whatever the room, or None."""
+    page_size = config.layout.page_size
+    if m.prefill_tp != config.tp_size or m.page_size != page_size:
+        return "metadata for another prefill TP size or page size"
+    if not m.decode_rank < m.decode_tp:
+        return "decode rank outside its TP group"
+    try:
+        targets = transfers_of_writer(config.layout.num_kv_heads, config.tp_size, m.decode_tp, config.rank)
+    except ConfigError:
+        return "decode TP size incompatible with the KV heads"
+    if m.decode_rank not in targets:
+        return "metadata from a decode rank this rank does not write to"
+    if not 0 <= m.prefix_tokens < m.num_tokens or m.prefix_tokens % page_size:
+        return "prefix not page-aligned or not below num_tokens"
+    if m.chunk_tokens <= 0 or m.chunk_tokens % page_size:
+        return "chunk_tokens not a positive multiple of the page size"
+    if ceil_div(m.num_tokens - m.prefix_tokens, m.chunk_tokens) > MAX_CHUNKS:
+        return "too many chunks"
+    expected_pages = pages_for(m.num_tokens, page_size) if m.path == DIRECT else 0
+    if len(m.pages) != expected_pages:
+        return "page count does not match num_tokens"
+    return None
+
+
+def attached_metadata_problem(
+    config: PrefillConfig, m: Metadata, num_tokens: int, decode_tp: int, linked_ranks: Container[int]
+) -> str | None:
+    """`metadata_problem`, and whether `m` fits the attached room (`num_tokens`, `decode_tp`) whose decode ranks
+    `linked_ranks` already sent theirs."""
+    problem = metadata_problem(config, m)
+    if problem is None and (m.num_tokens != num_tokens or m.decode_tp != decode_tp):
+        problem = "metadata disagrees with the attached room"
+    if problem is None and m.decode_rank in linked_ranks:
+        problem = "two peers claim the same decode rank"
+    return problem

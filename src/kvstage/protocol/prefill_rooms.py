@@ -1,0 +1,91 @@
+"""What a prefill rank remembers about each room: `WriterRoom`, its `Link`s (one per decode rank it writes to)
+and each link's `WriterChunk`s.
+
+Mutable records, changed only by prefill.py; their `state` fields change only through states.py's tables.
+`Link.from_metadata` derives a link from a validated `Metadata` (metadata.py): the decode rank's chunk grid, the
+head run this rank writes to it and, on the staged path, the staging plans of a full and of the last chunk.
+
+Pure. Called by prefill.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvstage.layout import Chunk, ChunkGrid, HeadTransfer, StagingPlan
+from kvstage.protocol.config import PrefillConfig
+from kvstage.protocol.messages import DIRECT, Metadata
+from kvstage.protocol.plans import staging_plan, transfers_of_writer
+from kvstage.protocol.states import PREFILL_CHUNK, ChunkState, ChunkTrigger, PrefillRoomState
+from kvstage.ring import Allocation
+
+
+@dataclass(slots=True, eq=False)
+class WriterChunk:
+    state: ChunkState = ChunkState.NONE
+    region: Allocation | None = None
+
+
+@dataclass(slots=True, eq=False)
+class Link:
+    """This rank's part of one room towards one decode rank."""
+
+    peer_id: str
+    meta: Metadata
+    grid: ChunkGrid  # the decode rank's grid (Metadata.chunk_tokens)
+    num_chunks: int
+    transfer: HeadTransfer
+    plan_full: StagingPlan | None  # staged only
+    plan_last: StagingPlan | None
+    chunks: dict[int, WriterChunk] = field(default_factory=dict)  # not yet acknowledged
+    next_request: int = 0
+    unwritten: int = 0  # requested but not yet written (R11 window)
+    acked: int = 0
+
+    def span(self, index: int) -> Chunk:
+        """Chunk `index`: its tokens of the room."""
+        return self.grid.chunk(index, self.meta.num_tokens, self.meta.prefix_tokens)
+
+    def holds_grants(self) -> bool:
+        """Whether the decode peer ever granted this link anything (a chunk past REQUESTED, or acknowledged)."""
+        return self.acked > 0 or any(not PREFILL_CHUNK.can(chunk, ChunkTrigger.GRANT) for chunk in self.chunks.values())
+
+    @classmethod
+    def from_metadata(cls, config: PrefillConfig, peer_id: str, m: Metadata) -> Link:
+        """The link to the decode rank that sent `m`, which `metadata.metadata_problem` accepted."""
+        grid = ChunkGrid(m.chunk_tokens, m.page_size)
+        num_chunks = grid.num_chunks(m.num_tokens, m.prefix_tokens)
+        layout, tp, rank = config.layout, config.tp_size, config.rank
+        transfer = transfers_of_writer(layout.num_kv_heads, tp, m.decode_tp, rank)[m.decode_rank]
+        plan_full = plan_last = None
+        if m.path != DIRECT:
+            last_tokens = grid.chunk(num_chunks - 1, m.num_tokens, m.prefix_tokens).num_tokens
+            plan_full = staging_plan(layout, tp, m.decode_tp, m.decode_rank, m.chunk_tokens)
+            plan_last = staging_plan(layout, tp, m.decode_tp, m.decode_rank, last_tokens)
+        return cls(peer_id, m, grid, num_chunks, transfer, plan_full, plan_last)
+
+    def plan(self, index: int) -> StagingPlan:
+        plan = self.plan_last if index == self.num_chunks - 1 else self.plan_full
+        assert plan is not None
+        return plan
+
+
+@dataclass(slots=True, eq=False)
+class WriterRoom:
+    room: int
+    num_tokens: int
+    decode_tp: int
+    deadline: float
+    targets: frozenset[int]  # decode ranks this rank writes to
+    links: dict[str, Link] = field(default_factory=dict)  # by decode peer id
+    ranks: dict[int, str] = field(default_factory=dict)  # decode rank -> peer id of its link
+    scheduled: int = 0  # tokens the engine is computing or has computed
+    ready: int = 0  # tokens whose KV is computed
+    pages: tuple[int, ...] = ()
+    state: PrefillRoomState = PrefillRoomState.NONE
+    reason: str = ""
+    in_flight: int = 0  # writes issued and not completed
+    links_done: int = 0
+    owe_ack: dict[str, None] = field(default_factory=dict)  # decode peers that aborted: AbortAck when drained
+    lost: dict[str, None] = field(default_factory=dict)  # decode peers gone: no Abort to them
+    awaiting: dict[str, None] = field(default_factory=dict)  # decode peers our Abort waits on
