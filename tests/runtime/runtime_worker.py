@@ -9,7 +9,8 @@ global head) of the tokens that must move. Decode records the same digest of wha
 room that succeeded. The test compares them: that is the bit-exact check across processes.
 
 Between phases a worker waits for a file to appear (the test creates it, e.g. after restarting a killed rank).
-A phase with `hold_after_first_chunk` computes only each room's first chunk, leaving the rooms mid-transfer; with
+A phase with `hold_after_first_chunk` computes only each room's first chunk, leaving the rooms mid-transfer (its
+`marker` file appears once every room's first chunk has landed); with
 `release` too, it schedules every chunk at once (so grants for later chunks are requested and may be held) and
 computes the rest of each open room when the `release` file appears (after the test killed decode, those writes go
 to a dead peer).
@@ -157,9 +158,8 @@ class Worker:
                 aborts.remove((due, room))
                 if room in open_rooms:
                     self.agent.abort(room)
-            if hold and not todo and phase.get("marker") and not Path(phase["marker"]).exists():
-                time.sleep(0.5)  # let the first chunks land, then tell the test the rooms are mid-transfer
-                Path(phase["marker"]).touch()
+            if hold and not todo and phase.get("marker") and self.first_chunks_landed(phase):
+                Path(phase["marker"]).touch()  # the rooms are mid-transfer
             if self.held and Path(phase.get("release", "")).is_file():
                 self.release_held(open_rooms)
             for outcome in self.agent.poll():
@@ -190,6 +190,10 @@ class Worker:
             if not (hold and release):
                 self.agent.compute_scheduled(plan.room, end)
             self.agent.kv_ready(plan.room, end, tuple(pages))
+
+    def first_chunks_landed(self, phase: dict) -> bool:
+        """Every room of `phase` has had a write complete (each room's first chunk is at least one write)."""
+        return self.agent.metrics.value("kvstage_transfer_ops_total") >= phase["rooms"]
 
     def release_held(self, open_rooms: dict[int, tuple[RoomPlan, list[int], float]]) -> None:
         """Compute the rest of every held room that is still open."""

@@ -24,7 +24,13 @@ Invariants:
 - a transport error, a gather/scatter error or an endpoint bug fails (at most) one room with a reason, logged and
   counted; the agent thread never dies because of one room;
 - inbound frames waiting for the agent thread are capped (`max_inbox`); beyond it they are dropped and counted
-  (the protocol retries every request); parked sends to unresolved peers are capped per peer.
+  (the protocol retries every request); sends parked for unresolved peers are bounded in peers, count, bytes and
+  time (`outbox.py`, `AgentConfig.park`);
+- per-peer state goes when the peer goes: once the endpoint no longer tracks a peer (it fell silent past
+  `Timing.dead_after_s`: closed, killed or a stranger), the agent releases its record, its control socket, its
+  resolver entry, its parked sends and the subclass's state for it (`_release_departed`). What the agent keeps is
+  bounded by the peers alive now, never by all the peers it has seen;
+- a send that fails never changes a room the addressee has no part in (the endpoint checks, R3).
 
 Called by decode.py and prefill.py (subclasses), engines (docs/integration.md, tests/runtime/runtime_worker.py)
 and `kvstage bench` through `kvstage.runtime`.
@@ -39,31 +45,40 @@ import time
 from abc import ABC, abstractmethod
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, assert_never
 
 from kvstage.dataplane import KVPool
 from kvstage.errors import ConfigError, KVStageError, TransportError
 from kvstage.layout import KVLayout
 from kvstage.protocol import (
     AbortRoom,
+    Action,
     AttachRoom,
     Codec,
     Completion,
     DecodeEndpoint,
     ExpectRoom,
     FencePeer,
+    FenceScatter,
+    FreePages,
     Limits,
     PrefillEndpoint,
     Received,
+    RoomFailed,
+    RoomSucceeded,
+    Scatter,
     Send,
     SendFailed,
     Timing,
+    WriteDirect,
+    WriteRegion,
 )
 from kvstage.protocol.codec import DEFAULT_MAX_FRAME_BYTES
-from kvstage.protocol.messages import Envelope
+from kvstage.protocol.messages import Envelope, Metadata, RoomBody
 from kvstage.runtime.copier import Copier, CopyDone
 from kvstage.runtime.directory import Resolver
 from kvstage.runtime.metrics import AgentMetrics
+from kvstage.runtime.outbox import ParkedSends, ParkLimits
 from kvstage.transport.bootstrap import BootstrapClient, LayoutRecord, PeerRecord, check_compatible
 from kvstage.transport.control import ChannelConfig, ControlChannel
 from kvstage.transport.data import (
@@ -83,6 +98,13 @@ log = logging.getLogger(__name__)
 BUSY_POLL_MIN_S = 0.0002
 BUSY_POLL_MAX_S = 0.004
 IDLE_POLL_S = 0.05
+#: How often the agent thread releases the state of peers that left and fails sends parked for too long.
+PEER_SWEEP_S = 0.5
+#: The reason a send parked for a peer whose session ended fails with.
+SESSION_ENDED = "peer session ended"
+#: The reason a heartbeat or Fenced to an unresolved peer fails with: only room messages are parked (the others
+#: repeat on their own), so strangers that keep talking park nothing but the room replies they provoke.
+NOT_PARKED = "peer not resolved (not parked: no room)"
 #: The reason an engine call the agent refuses fails with (followed by ": " and what is wrong), and its metric label.
 INVALID_REQUEST = "invalid request"
 
@@ -113,7 +135,9 @@ class AgentConfig:
     #: Prefill: writes in flight per decode peer; more wait in order (see PrefillAgent._enqueue_write).
     writes_per_peer: int = 2
     max_inbox: int = 65536
-    max_pending_sends: int = 1024
+    #: Sends parked for peers not resolved yet; `park.ttl_s` also bounds how long the resolver asks for a peer
+    #: that never registers.
+    park: ParkLimits = field(default_factory=ParkLimits)
     resolve_refresh_s: float = 1.0
 
     @property
@@ -197,7 +221,8 @@ class BaseAgent(ABC):
         self._poll_delay = BUSY_POLL_MIN_S
         self._records: dict[str, PeerRecord] = {}
         self._peer_of_address: dict[str, str] = {}
-        self._pending_sends: dict[str, deque[Envelope]] = {}
+        self._parked = ParkedSends(config.park)
+        self._next_sweep = 0.0
         self._incompatible: dict[str, str] = {}
         self._snapshot = AgentSnapshot()
         self._thread = threading.Thread(target=self._run, name=f"kvstage-{self.role}-agent", daemon=True)
@@ -236,6 +261,7 @@ class BaseAgent(ABC):
                 self._events.put,
                 refresh_s=self.config.resolve_refresh_s,
                 max_peers=self.config.limits.max_peers,
+                unresolved_ttl_s=self.config.park.ttl_s,
                 name=f"{self.peer_id}-resolver",
             ).start()
             record = self._record(descriptors)
@@ -341,7 +367,7 @@ class BaseAgent(ABC):
         """A peer registered (or re-registered with a new session)."""
 
     def _peer_fenced(self, peer: str) -> None:
-        """The endpoint declared `peer`'s incarnation dead or replaced."""
+        """The endpoint declared `peer`'s incarnation dead or replaced, or the peer's session ended."""
 
     def _copy_done(self, done: CopyDone) -> None:
         """A gather or scatter submitted to the copier finished."""
@@ -389,21 +415,29 @@ class BaseAgent(ABC):
         self._events.put(Received(envelope))
 
     def _run(self) -> None:
+        while self._turn():
+            pass
+
+    def _turn(self) -> bool:
+        """One turn of the agent thread; False once asked to stop. Its events die with it: nothing inbound stays
+        referenced while the thread waits for the next batch."""
         stopping = False
-        while not stopping:
-            batch = self._next_batch()
-            for item in batch:
-                if item is _STOP:
-                    stopping = True
-                elif item is not _WAKE:
-                    self._guarded(self._dispatch, item)
-            self._guarded(self._poll_transport)
-            now = time.monotonic()
-            due = self.endpoint.next_timer()
-            if due is not None and now >= due:
-                self._guarded(self._feed_actions, self.endpoint.tick(now))
-            self._guarded(self._after_turn)
-            self._guarded(self._refresh_snapshot)
+        for item in self._next_batch():
+            if item is _STOP:
+                stopping = True
+            elif item is not _WAKE:
+                self._guarded(self._dispatch, item)
+        self._guarded(self._poll_transport)
+        now = time.monotonic()
+        due = self.endpoint.next_timer()
+        if due is not None and now >= due:
+            self._guarded(self._feed_actions, self.endpoint.tick(now))
+        if now >= self._next_sweep:
+            self._next_sweep = now + PEER_SWEEP_S
+            self._guarded(self._release_departed, now)
+        self._guarded(self._after_turn)
+        self._guarded(self._refresh_snapshot)
+        return not stopping
 
     def _next_batch(self) -> list[Any]:
         if self._busy():
@@ -478,7 +512,7 @@ class BaseAgent(ABC):
         first)."""
         return self.endpoint.handle(event, time.monotonic())
 
-    def _feed_actions(self, actions: list[Any]) -> None:
+    def _feed_actions(self, actions: list[Action]) -> None:
         for action in actions:
             self._guarded(self._execute_common, action)
 
@@ -489,14 +523,25 @@ class BaseAgent(ABC):
             outcome = RoomOutcome(room, False, f"{INVALID_REQUEST}: {reason}", pages)
             self._outcome(outcome, counted_as=INVALID_REQUEST)  # one metric label, whatever the details
 
-    def _execute_common(self, action: Any) -> None:
-        if isinstance(action, Send):
-            self._send(action.peer, action.envelope)
-        elif isinstance(action, FencePeer):
-            self._peer_fenced(action.peer)
-            self.resolver.want(action.peer)
-        else:
-            self._execute(action)
+    def _execute_common(self, action: Action) -> None:
+        match action:
+            case Send():
+                self._send(action.peer, action.envelope)
+            case FencePeer():
+                self._peer_fenced(action.peer)
+                self.resolver.want(action.peer)
+            case (
+                WriteRegion()
+                | WriteDirect()
+                | Scatter()
+                | FenceScatter()
+                | FreePages()
+                | RoomSucceeded()
+                | RoomFailed()
+            ):
+                self._execute(action)
+            case _:
+                assert_never(action)
 
     def _send(self, peer: str, envelope: Envelope) -> None:
         record = self._records.get(peer)
@@ -512,16 +557,45 @@ class BaseAgent(ABC):
         if peer in self._incompatible:
             self._feed(SendFailed(peer, envelope, self._incompatible[peer]))
             return
-        parked = self._pending_sends.get(peer)
-        if parked is None:
-            if len(self._pending_sends) >= self.config.limits.max_peers or not self.resolver.want(peer):
-                self._feed(SendFailed(peer, envelope, "too many unresolved peers"))
-                return
-            parked = self._pending_sends[peer] = deque()
-        if len(parked) >= self.config.max_pending_sends:
-            self._feed(SendFailed(peer, envelope, f"peer {peer!r} not resolved and its send queue is full"))
+        if not self.resolver.want(peer):
+            self._feed(SendFailed(peer, envelope, "too many unresolved peers"))
             return
-        parked.append(envelope)
+        if not isinstance(envelope.body, RoomBody):  # a heartbeat or Fenced: the next one goes once it resolves
+            self._send_failed(peer, envelope, NOT_PARKED)
+            return
+        nbytes = len(self._codec.encode(envelope))
+        pinned = isinstance(envelope.body, Metadata)  # decode sends it for a room its engine admitted, never a reply
+        for failed in self._parked.park(peer, envelope, nbytes, time.monotonic(), pinned):
+            self._send_failed(*failed)
+
+    def _send_failed(self, peer: str, envelope: Envelope, reason: str) -> None:
+        self.metrics.parked_send_failed(reason)
+        self._feed(SendFailed(peer, envelope, reason))
+
+    def _release_departed(self, now: float) -> None:
+        """Release every peer the endpoint no longer tracks, and fail the sends parked past their time."""
+        live = self.endpoint.peers()
+        for peer in (self._records.keys() | self._incompatible.keys()) - live:
+            self._release_peer(peer)
+        for failed in self._parked.expire(now):
+            self._send_failed(*failed)
+        for table, count in (("records", len(self._records)), ("sockets", self.channel.open_peers),
+                             ("resolver", self.resolver.wanted()), ("parked", len(self._parked)),
+                             ("endpoint", len(live))):  # fmt: skip
+            self.metrics.set_peer_state(table, count)
+
+    def _release_peer(self, peer: str) -> None:
+        """`peer`'s session ended: drop its record, control socket, resolver entry, parked sends and the
+        subclass's state for it. A later message from it starts over (resolved again)."""
+        record = self._records.pop(peer, None)
+        if record is not None:
+            self._peer_of_address.pop(record.control_address, None)
+            self.channel.forget_peer(record.control_address)
+        self._incompatible.pop(peer, None)
+        self.resolver.forget(peer)
+        self._peer_fenced(peer)
+        for envelope in self._parked.pop(peer):
+            self._send_failed(peer, envelope, SESSION_ENDED)
 
     def _on_record(self, record: PeerRecord) -> None:
         try:
@@ -537,7 +611,7 @@ class BaseAgent(ABC):
         except ConfigError as exc:
             log.error("%s: %s", self.peer_id, exc)
             self._incompatible[record.peer_id] = str(exc)
-            for envelope in self._pending_sends.pop(record.peer_id, deque()):
+            for envelope in self._parked.pop(record.peer_id):
                 self._feed(SendFailed(record.peer_id, envelope, str(exc)))
             return
         old = self._records.get(record.peer_id)
@@ -552,7 +626,7 @@ class BaseAgent(ABC):
         self._records[record.peer_id] = record
         self._peer_of_address[record.control_address] = record.peer_id
         self._peer_changed(old, record)
-        for envelope in self._pending_sends.pop(record.peer_id, deque()):
+        for envelope in self._parked.pop(record.peer_id):
             self._send(record.peer_id, envelope)
 
     def _outcome(self, outcome: RoomOutcome, counted_as: str = "") -> None:
@@ -583,6 +657,6 @@ class BaseAgent(ABC):
         return AgentSnapshot(
             open_rooms=len(self.endpoint.open_rooms()),
             quiescent=self.endpoint.is_quiescent(),
-            pending_sends=sum(len(q) for q in self._pending_sends.values()),
+            pending_sends=len(self._parked),
             stats=stats,
         )

@@ -6,15 +6,19 @@ the agent has asked about, and posts a record to the agent whenever a peer is ne
 round checks the agent's own record and registers it again if the bootstrap service lost it (a restarted
 bootstrap starts empty), so the directory heals without restarting any rank.
 
-Invariants: the agent thread never blocks on the bootstrap service (lookups happen here); the set of peers asked
-about is capped (`max_peers`); a failed lookup is logged and retried next round, never fatal. Called by
-runtime/agent.py.
+Invariants: the agent thread never blocks on the bootstrap service (lookups happen here); a failed lookup is
+logged and retried next round, never fatal. The set of peers asked about is bounded in count and time: at most
+`max_peers`; a peer still unresolved `unresolved_ttl_s` after it was last asked about is dropped (a stranger
+that named itself in one frame and never registered); a newcomer over the cap evicts the unresolved entry asked
+about longest ago, so strangers never lock a registered peer out; a resolved peer is kept (its restarts are
+watched) until the agent `forget`s it when its session ends. Called by runtime/agent.py.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 
 from kvstage.errors import KVStageError
@@ -33,14 +37,16 @@ class Resolver:
         *,
         refresh_s: float = 1.0,
         max_peers: int = 1024,
+        unresolved_ttl_s: float = 30.0,
         name: str = "resolver",
     ) -> None:
         self._bootstrap = bootstrap
         self._post = post
         self._refresh_s = refresh_s
         self._max_peers = max_peers
+        self._unresolved_ttl_s = unresolved_ttl_s
         self._lock = threading.Lock()
-        self._wanted: set[str] = set()
+        self._wanted: dict[str, float] = {}  # peer id -> when it was last asked about (monotonic)
         self._seen: dict[str, tuple[int, str]] = {}
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -57,15 +63,29 @@ class Resolver:
         return self
 
     def want(self, peer_id: str) -> bool:
-        """Ask for `peer_id` to be resolved (now and on every refresh); False if the peer cap is reached."""
+        """Ask for `peer_id` to be resolved (now and on every refresh); False if the cap is reached and every
+        entry is resolved (none can be evicted)."""
         with self._lock:
-            if peer_id not in self._wanted:
-                if len(self._wanted) >= self._max_peers:
+            if peer_id not in self._wanted and len(self._wanted) >= self._max_peers:
+                unresolved = [p for p in self._wanted if p not in self._seen]
+                if not unresolved:
                     return False
-                self._wanted.add(peer_id)
+                del self._wanted[min(unresolved, key=self._wanted.__getitem__)]
+            self._wanted[peer_id] = time.monotonic()
             self._seen.pop(peer_id, None)
         self._wake.set()
         return True
+
+    def forget(self, peer_id: str) -> None:
+        """Stop resolving `peer_id` (its session ended); a later `want` starts over."""
+        with self._lock:
+            self._wanted.pop(peer_id, None)
+            self._seen.pop(peer_id, None)
+
+    def wanted(self) -> int:
+        """Peers asked about now (resolved or not)."""
+        with self._lock:
+            return len(self._wanted)
 
     def close(self) -> None:
         self._stop.set()
@@ -86,6 +106,9 @@ class Resolver:
 
     def _round(self, client: BootstrapClient) -> None:
         with self._lock:
+            cutoff = time.monotonic() - self._unresolved_ttl_s
+            for peer_id in [p for p, when in self._wanted.items() if when < cutoff and p not in self._seen]:
+                del self._wanted[peer_id]
             wanted = sorted(self._wanted)
             own = self._own
         if own is not None:
@@ -105,7 +128,7 @@ class Resolver:
         for peer_id, record in records.items():
             key = (record.session, record.control_address)
             with self._lock:
-                if self._seen.get(peer_id) == key:
-                    continue
+                if peer_id not in self._wanted or self._seen.get(peer_id) == key:
+                    continue  # forgotten while the lookup ran, or nothing new
                 self._seen[peer_id] = key
             self._post(record)

@@ -15,6 +15,10 @@ Metrics (all prefixed `kvstage_`, all labelled with the agent's `role` and `peer
   `transfer_throughput_bytes_per_second` (bytes over busy time), `transfer_ops_total`;
 - `room_failures_total{reason}`: failures by reason (reasons.py vocabulary);
 - `rejected_frames_total{reason}`: inbound frames dropped by the control channel or the protocol codec;
+- `parked_sends_failed_total{reason}`: sends parked for an unresolved peer that were never sent (a cap, their
+  time, or the peer's session ended; runtime/outbox.py);
+- `peer_state{table}`: entries per per-peer table of the agent (records, sockets, resolver, parked, endpoint), so
+  an operator sees that they follow the peers alive now;
 - `internal_errors_total`: agent steps that raised unexpectedly (a bug; logged with its traceback).
 
 Invariants: nothing is registered on prometheus-client's global registry, so several agents (and tests) can live
@@ -104,6 +108,10 @@ class AgentMetrics:
         self.rejected = Counter(
             "kvstage_rejected_frames", "Inbound frames dropped, by reason", (*labels, "reason"), registry=reg
         )
+        self.parked_failed = Counter(
+            "kvstage_parked_sends_failed", "Parked sends never sent, by reason", (*labels, "reason"), registry=reg
+        )
+        self.peer_state = Gauge("kvstage_peer_state", "Entries per per-peer table", (*labels, "table"), registry=reg)
         self.internal_errors = Counter(
             "kvstage_internal_errors", "Agent steps that raised unexpectedly (logged with a traceback)", labels,
             registry=reg,
@@ -143,6 +151,12 @@ class AgentMetrics:
 
     def frame_rejected(self, reason: str) -> None:
         self.rejected.labels(*self._labels, reason).inc()
+
+    def parked_send_failed(self, reason: str) -> None:
+        self.parked_failed.labels(*self._labels, reason).inc()
+
+    def set_peer_state(self, table: str, count: int) -> None:
+        self.peer_state.labels(*self._labels, table).set(count)
 
     def set_rooms(self, state: str, count: int) -> None:
         self.rooms.labels(*self._labels, state).set(count)

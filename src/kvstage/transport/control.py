@@ -15,6 +15,8 @@ Invariants:
   dropped; it never stops the thread. ZeroMQ itself drops connections that send more than `4 * max_frame_bytes`,
   so no peer can make the channel hold an unbounded frame;
 - memory is bounded: outbox capacity, peer count and per-socket high-water marks are all fixed at construction.
+  The owner closes the socket of a peer whose session ended (`forget_peer`, never refused for a full outbox:
+  it frees what the outbox guards), so the peer count follows the peers alive now.
 
 Called by runtime/ agents (send, forget_peer, close) and by tests. It knows nothing of rooms: callbacks carry
 messages back to the owner, which maps them to protocol events.
@@ -134,6 +136,7 @@ class ControlChannel(Generic[M]):
         self.rejected: Counter[str] = Counter()
         self.received = 0
         self.sent = 0
+        self.open_peers = 0  # DEALER sockets open now (written by the I/O thread)
 
     # ---- caller side -------------------------------------------------------------------------------------
 
@@ -160,7 +163,8 @@ class ControlChannel(Generic[M]):
         self._enqueue(_Outgoing(peer, message, frame))
 
     def forget_peer(self, peer: str) -> None:
-        """Close the outbound socket to `peer` (dead or replaced); a later send reconnects."""
+        """Close the outbound socket to `peer` (its session ended or moved); a later send reconnects. Frames
+        still waiting in its socket are dropped (the peer is gone). A no-op once the channel is closed."""
         self._enqueue(_Forget(peer))
 
     def outbox_size(self) -> int:
@@ -190,8 +194,10 @@ class ControlChannel(Generic[M]):
     def _enqueue(self, item: _Outgoing[M] | _Forget) -> None:
         with self._lock:
             if self._closed or not self._started.is_set():
+                if isinstance(item, _Forget):
+                    return  # closing closes every socket anyway
                 raise ChannelClosed(f"{self.name}: channel is not running")
-            if len(self._outbox) >= self.config.outbox_capacity:
+            if len(self._outbox) >= self.config.outbox_capacity and not isinstance(item, _Forget):
                 raise OutboxFull(f"{self.name}: outbox full ({self.config.outbox_capacity} frames queued)")
             self._outbox.append(item)
             must_wake = not self._wake_pending
@@ -261,6 +267,7 @@ class ControlChannel(Generic[M]):
                 sock = peers.pop(item.peer, None)
                 if sock is not None:
                     sock.close(linger=0)
+                    self.open_peers = len(peers)
                 continue
             sock = peers.get(item.peer)
             if sock is None:
@@ -274,6 +281,7 @@ class ControlChannel(Generic[M]):
                     self._fail(item, SEND_BAD_ADDRESS)
                     continue
                 peers[item.peer] = sock
+                self.open_peers = len(peers)
             try:
                 sock.send(item.frame, zmq.NOBLOCK, copy=False)
                 self.sent += 1

@@ -1,0 +1,150 @@
+"""A real decode agent with its bootstrap service, the prefill instances that serve it, and a hostile sender.
+
+Shared by the tests of this directory: `Deployment` runs one decode rank (TP=1) in this process; `instance()`
+starts a legitimate prefill instance (TP=2, in this process) and `run_room` hands one room from it to decode.
+`Stranger` is a raw ZeroMQ DEALER that sends kvstage frames to decode's control socket under any sender id, as an
+attacker who can reach the port would.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import zmq
+
+from kvstage.dataplane import KVPool
+from kvstage.layout import KVLayout
+from kvstage.protocol import Codec, Limits, Timing
+from kvstage.protocol.codec import DEFAULT_MAX_FRAME_BYTES
+from kvstage.protocol.messages import PROTOCOL_VERSION, Body, Envelope
+from kvstage.runtime import AgentConfig, DecodeAgent, PrefillAgent, RoomOutcome, peer_id
+from kvstage.runtime.outbox import ParkLimits
+from kvstage.transport.bootstrap import BootstrapServer
+from kvstage.transport.control import ChannelConfig
+
+Outcome = RoomOutcome
+LAYOUT = KVLayout(num_layers=2, num_kv_heads=4, head_dim=16, dtype="float16", page_size=4)
+TIMING = Timing(heartbeat_s=0.1, dead_after_s=1.0, retry_initial_s=0.02, retry_max_s=0.2)
+CHUNK = 8
+PREFILL_TP = 2
+ROOM_TOKENS = 24
+
+
+@dataclass(frozen=True)
+class Caps:
+    """Per-peer caps of the decode agent (the defaults unless a test lowers them)."""
+
+    limits: Limits = field(default_factory=Limits)
+    park: ParkLimits = field(default_factory=ParkLimits)
+    channel: ChannelConfig = field(default_factory=lambda: ChannelConfig(max_frame_bytes=DEFAULT_MAX_FRAME_BYTES))
+
+
+def config(instance: str, rank: int, tp: int, bootstrap: str, caps: Caps = Caps()) -> AgentConfig:
+    return AgentConfig(
+        instance=instance,
+        rank=rank,
+        tp_size=tp,
+        layout=LAYOUT,
+        bootstrap=bootstrap,
+        timing=TIMING,
+        limits=caps.limits,
+        park=caps.park,
+        channel=caps.channel,
+        chunk_tokens=CHUNK,
+        ring_bytes=16384,
+        staging_bytes=16384,
+    )
+
+
+def wait_outcomes(agent: DecodeAgent | PrefillAgent, rooms: Iterable[int], timeout_s: float = 20) -> dict[int, Outcome]:
+    want = set(rooms)
+    got: dict[int, RoomOutcome] = {}
+    deadline = time.monotonic() + timeout_s
+    while want - set(got) and time.monotonic() < deadline:
+        got.update({o.room: o for o in agent.poll()})
+        time.sleep(0.005)
+    assert not want - set(got), f"{agent.peer_id}: no outcome for rooms {sorted(want - set(got))} in {timeout_s}s"
+    return got
+
+
+def prefill_instance(name: str, bootstrap: str, caps: Caps = Caps()) -> list[PrefillAgent]:
+    return [
+        PrefillAgent(config(name, r, PREFILL_TP, bootstrap, caps), KVPool.for_rank(LAYOUT, PREFILL_TP, r, 16)).start()
+        for r in range(PREFILL_TP)
+    ]
+
+
+def start_room(agent: PrefillAgent, room: int, num_tokens: int = ROOM_TOKENS) -> list[int]:
+    """Attach `room` on one prefill rank and declare all its KV computed, in pages it allocates (returned)."""
+    pages = agent.pool.allocator.allocate(-(-num_tokens // LAYOUT.page_size), room)
+    agent.attach_room(room, num_tokens, 1, timeout_s=20)
+    agent.compute_scheduled(room, num_tokens)
+    agent.kv_ready(room, num_tokens, tuple(pages))
+    return pages
+
+
+class Deployment:
+    """A bootstrap service and one decode rank (instance "D"), in this process."""
+
+    def __init__(self, caps: Caps = Caps()) -> None:
+        self.caps = caps
+        self.bootstrap = BootstrapServer().start()
+        pool = KVPool.for_rank(LAYOUT, 1, 0, 256)
+        self.decode = DecodeAgent(config("D", 0, 1, self.bootstrap.address, caps), pool).start()
+
+    def expect(self, room: int, instance: str, num_tokens: int = ROOM_TOKENS) -> tuple[int, ...]:
+        pages = tuple(self.decode.pool.allocator.allocate(-(-num_tokens // LAYOUT.page_size), room))
+        peers = tuple(peer_id(instance, r) for r in range(PREFILL_TP))
+        self.decode.expect_room(room, peers, num_tokens, 0, pages, timeout_s=20)
+        return pages
+
+    def run_room(self, room: int, instance: str, prefill: list[PrefillAgent]) -> list[RoomOutcome]:
+        """Hand `room` from `prefill` (instance `instance`) to decode; the outcomes on decode and on each rank."""
+        pages = self.expect(room, instance)
+        held = [start_room(agent, room) for agent in prefill]
+        outcomes = [wait_outcomes(self.decode, [room])[room]]
+        self.decode.pool.allocator.free(list(pages))
+        for agent, agent_pages in zip(prefill, held, strict=True):
+            outcomes.append(wait_outcomes(agent, [room])[room])
+            agent.pool.allocator.free(agent_pages)
+        return outcomes
+
+    def tables(self) -> dict[str, int]:
+        """Entries of every per-peer table of the decode agent."""
+        agent = self.decode
+        return {
+            "records": len(agent._records),
+            "sockets": agent.channel.open_peers,
+            "resolver": agent.resolver.wanted(),
+            "parked": len(agent._parked),
+            "endpoint": len(agent.endpoint.peers()),
+        }
+
+    def close(self) -> None:
+        self.decode.close()
+        self.bootstrap.close()
+
+
+class Stranger:
+    """A raw DEALER at decode's control socket, sending frames under any sender id."""
+
+    def __init__(self, address: str) -> None:
+        self.codec = Codec()
+        self.sock = zmq.Context.instance().socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.SNDHWM, 0)
+        self.sock.connect(address)
+        self.seq = 0
+
+    def send(self, sender: str, body: Body, session: int = 1, epoch: int = 0) -> None:
+        self.seq += 1
+        envelope = Envelope(PROTOCOL_VERSION, sender, session, epoch, self.seq, None, body)
+        self.sock.send(self.codec.encode(envelope))
+
+    def send_raw(self, frame: bytes) -> None:
+        self.sock.send(frame)
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
