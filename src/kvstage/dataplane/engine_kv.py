@@ -5,22 +5,27 @@ views `[num_pages, page_size, num_heads, head_dim]` of the engine's tensors, the
 lookup, and the integer-word planes that gather and scatter (dataplane/stage.py) copy through. `KVStore` is what
 those copies and the runtime agents accept: a kvstage `KVPool` or an `EngineKV`.
 
-Formats (`layers[i]` is what the engine holds for layer i; B pages, N = page_size tokens, H local heads, D head_dim):
+Formats (`layers[i]` is what the engine holds for layer i; B pages, N = page_size tokens, H local heads, D head_dim;
+`c = t.view(B, H, 2, N*D)`):
 
 | format     | layers[i]                             | K / V of (page b, position n, head h)                   |
 |------------|---------------------------------------|---------------------------------------------------------|
 | `kvstage`  | `[2, B*N, H, D]` (`KVPool.kv[:, i]`)   | `t[0, b*N + n, h]` / `t[1, b*N + n, h]`                 |
-| `vllm_cpu` | `[B, H, N, 2*D]`, each (b, h) one run | `t.view(B, H, 2, N, D)[b, h, 0, n]` / `[b, h, 1, n]`    |
+| `vllm_cpu` | `[B, H, N, 2*D]`, each (b, h) one run | `c[b, h, 0].view(D, N)[:, n]` / `c[b, h, 1].view(N, D)[n]` |
 | `vllm_nhd` | `[B, H, N, 2*D]`, memory `B, N, H, 2D` | `t[b, h, n, :D]` / `t[b, h, n, D:]`                     |
 | `vllm_hnd` | `[B, H, N, 2*D]`, memory `B, H, N, 2D` | `t[b, h, n, :D]` / `t[b, h, n, D:]`                     |
 | `sglang`   | `(k, v)`, each `[B*N, H, D]`          | `k[b*N + n, h]` / `v[b*N + n, h]`                       |
 
 The vLLM rows are what vLLM 0.32 hands a connector in `register_kv_caches` (`create_kv_cache_views`: a 4-D
 `[blocks, heads, block_size, 2*head_size]` view per layer whose strides follow the resolved `KVCacheLayout`,
-LBNHC for NHD and LBHNC for HND and CPU). Flash-attention splits the last axis into K and V; vLLM's CPU attention
-views each (block, head) run as `[2*block_size, head_size]`, N rows of K then N rows of V. So `vllm_cpu` and
-`vllm_hnd` have the same strides and differ in where V is: the format is the caller's statement, and the strides
-are checked against it.
+LBNHC for NHD and LBHNC for HND and CPU). Flash-attention splits the last axis into K and V. vLLM's CPU attention
+splits each (block, head) run in two halves: K, stored transposed (`[head_dim, block_size]`, so its kernels read a
+head dimension across the block's tokens), then V (`[block_size, head_dim]`). That is what its
+`cpu_attn_reshape_and_cache` writes with its `vec` and `vec16` kernels (x86 without AMX, and fp32 and fp16 everywhere;
+tests/dataplane/test_engine_kv_vllm.py checks it against vLLM's own op). Its `amx` kernels (bf16 on AMX hosts,
+block size a multiple of 32) pack K and V in tiles: not a format kvstage reads. So
+`vllm_cpu` and `vllm_hnd` have the same strides and differ inside a block: the format is the caller's statement,
+and the strides are checked against it.
 
 Invariants: `k`/`v` are views (their storage is the engine's); the page size is the engine's block size, read
 off the tensors and checked against `layout.page_size`; the engine vouches for its pages (kvstage checks bounds
@@ -46,7 +51,7 @@ from kvstage.dataplane.pool import (
     look_up_slots,
     torch_dtype,
 )
-from kvstage.errors import ConfigError
+from kvstage.errors import ConfigError, InvalidRequest
 from kvstage.layout import KVLayout
 
 
@@ -69,8 +74,8 @@ class EngineKV(PagedKV):
     def __init__(
         self, layout: KVLayout, fmt: KVCacheFormat, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]
     ) -> None:
-        """`keys[i]` / `values[i]`: views `[num_pages, page_size, num_heads, head_dim]` of layer i, any strides
-        with a contiguous last axis, all on one device. Use `from_layers` to build them from an engine's tensors."""
+        """`keys[i]` / `values[i]`: views `[num_pages, page_size, num_heads, head_dim]` of layer i, any strides, all
+        on one device. Use `from_layers` to build them from an engine's tensors."""
         views = [*keys, *values]
         if len(keys) != layout.num_layers or len(values) != layout.num_layers:
             raise ConfigError(f"{len(keys)} K and {len(values)} V tensors for a layout of {layout.num_layers} layers")
@@ -151,8 +156,9 @@ def _split(
     if fmt is KVCacheFormat.VLLM_CPU:
         if layer.stride(3) != 1 or (n > 1 and layer.stride(2) != 2 * d):
             raise ConfigError(f"vllm_cpu KV needs each (block, head) stored as one run, got strides {layer.stride()}")
-        halves = layer.view(blocks, num_heads, 2, n, d)
-        return halves[:, :, 0].transpose(1, 2), halves[:, :, 1].transpose(1, 2)
+        halves = layer.view(blocks, num_heads, 2, n * d)
+        keys = halves[:, :, 0].view(blocks, num_heads, d, n).permute(0, 3, 1, 2)
+        return keys, halves[:, :, 1].view(blocks, num_heads, n, d).transpose(1, 2)
     inner = {KVCacheFormat.VLLM_NHD: (2 * d, num_heads * 2 * d), KVCacheFormat.VLLM_HND: (n * 2 * d, 2 * d)}[fmt]
     strides = (layer.stride(1), layer.stride(2))
     if layer.stride(3) != 1 or any(
@@ -190,23 +196,31 @@ def _check_view(view: torch.Tensor, shape: torch.Size, device: torch.device, lay
     same_bits = not view.dtype.is_floating_point and view.element_size() == layout.itemsize
     if view.dtype != dtype and not same_bits:
         raise ConfigError(f"KV tensor of {view.dtype} for a layout of {layout.dtype}")
-    if view.stride(3) != 1:
-        raise ConfigError(f"KV head_dim axis has stride {view.stride(3)}; it must be contiguous")
 
 
 def _max_word(views: Sequence[torch.Tensor], head_bytes: int) -> int:
-    """Widest integer word that divides the head size, every view's address and every stride in bytes."""
+    """Widest integer word that divides the head size, every view's address and every stride in bytes. A view whose
+    head_dim axis is strided (vLLM CPU's K) is copied element by element: its word is the element."""
     for word in (8, 4, 2, 1):
-        if head_bytes % word == 0 and all(
-            view.data_ptr() % word == 0 and all(s * view.element_size() % word == 0 for s in view.stride()[:3])
-            for view in views
-        ):
+        if head_bytes % word == 0 and all(_fits(view, word) for view in views):
             return word
     raise AssertionError("a word of one byte divides everything")
 
 
+def _fits(view: torch.Tensor, word: int) -> bool:
+    size = view.element_size()
+    if view.stride(3) != 1:
+        return word == size
+    return view.data_ptr() % word == 0 and all(s * size % word == 0 for s in view.stride()[:3])
+
+
 def _plane(view: torch.Tensor, word_bytes: int, part: tuple[int, int]) -> Plane:
     """`view` `[pages, page_size, heads, head_dim]` as integer words, merged to `[slots, heads, words]` if it can."""
+    if view.stride(3) != 1 and word_bytes != view.element_size():
+        raise InvalidRequest(
+            f"a staging block aligned to {word_bytes} bytes cannot be copied element by element into KV of "
+            f"{view.element_size()}-byte elements"
+        )
     words = view.view(WORD_DTYPES[view.element_size()]).view(WORD_DTYPES[word_bytes])
     pages, page_size = words.shape[0], words.shape[1]
     if pages == 1 or page_size == 1 or words.stride(0) == page_size * words.stride(1):
