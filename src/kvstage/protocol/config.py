@@ -67,7 +67,9 @@ class DecodeConfig:
     """One decode rank: `rank` of a TP group of `tp_size`, its ring of `ring_bytes`, and the chunk grid.
 
     `attention="mla"` makes every room take the direct path (MLA's latent KV is identical on every rank);
-    otherwise `validate_staging_config` must pass, because rooms with different TP sizes stage (R12)."""
+    otherwise `validate_staging_config` must pass, because rooms with different TP sizes stage (R12).
+    `staged_only` makes every room stage, matched TP too: the direct path writes into a `KVPool` only, so a rank
+    whose KV is the engine's own (`EngineKV`) is reached through its ring."""
 
     peer_id: str
     layout: KVLayout
@@ -79,9 +81,15 @@ class DecodeConfig:
     attention: Literal["mha", "gqa", "mla"] = "gqa"
     timing: Timing = field(default_factory=Timing)
     limits: Limits = field(default_factory=Limits)
+    staged_only: bool = False
 
     def __post_init__(self) -> None:
         _check_identity(self.peer_id, self.tp_size, self.rank, self.layout)
+        if self.staged_only and self.attention == "mla":
+            raise ConfigError(
+                "MLA rooms take the direct path only, and the direct path writes into a KVPool only: MLA with the "
+                "engine's own KV (EngineKV, staged only) is not supported in this version"
+            )
         if self.attention != "mla":
             validate_staging_config(
                 chunk_tokens=self.chunk_tokens, page_size=self.layout.page_size, attention=self.attention

@@ -14,9 +14,10 @@ from kvstage.layout import HeadTransfer, KVLayout, StagingPlan, plan_head_transf
 from kvstage.protocol.messages import DIRECT, STAGED, Path
 
 
-def choose_path(attention: str, prefill_tp: int, decode_tp: int) -> Path:
-    """R12: MLA rooms and rooms with matched TP go page to page; every other room stages."""
-    return DIRECT if attention == "mla" or prefill_tp == decode_tp else STAGED
+def choose_path(attention: str, prefill_tp: int, decode_tp: int, staged_only: bool = False) -> Path:
+    """R12: MLA rooms and rooms with matched TP go page to page; every other room stages, and so does every room of
+    a `staged_only` decode rank (its KV is the engine's own)."""
+    return DIRECT if not staged_only and (attention == "mla" or prefill_tp == decode_tp) else STAGED
 
 
 @lru_cache(maxsize=4096)
