@@ -14,7 +14,7 @@ from kvstage.protocol import AbortRoom, ExpectRoom, Scatter, WriteDirect, WriteR
 from kvstage.protocol.events import Event
 from kvstage.ring import Allocation
 from kvstage.sim import FAULT_LEVELS, SimConfig, Violation, World
-from kvstage.sim.world import Node
+from kvstage.sim.records import Node
 
 
 def _first_violation(world: type[World], config: SimConfig, seeds: range = range(10)) -> Violation:

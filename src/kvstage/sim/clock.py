@@ -1,18 +1,40 @@
 """Virtual time and the deterministic event queue of the simulator.
 
-Owns: `EventQueue`, a heap of pending world events keyed by `(time, seq)`. `seq` grows by one per push, so two
-events at the same instant always pop in the order they were scheduled, and a seed replays the same run.
-Cancellation is lazy (a cancelled entry is skipped when it surfaces), so cancel is O(1).
+Owns: `EventKind`, the kinds of world event, and `EventQueue`, a heap of pending world events keyed by
+`(time, seq)`. `seq` grows by one per push, so two events at the same instant always pop in the order they were
+scheduled, and a seed replays the same run. Cancellation is lazy (a cancelled entry is skipped when it
+surfaces), so cancel is O(1).
 
 Invariants: time never goes backwards; `pop` returns events in (time, seq) order. No wall clock is read here.
-Called by sim/world.py (scheduling every delivery, completion, timer and engine step) and sim/network.py.
+Called by the world's parts (world.py, core.py, engines.py, dataplane.py: every delivery, completion, timer
+and engine step) and sim/network.py.
 """
 
 from __future__ import annotations
 
+import enum
 import heapq
 from dataclasses import dataclass
 from typing import Any
+
+
+class EventKind(enum.Enum):
+    """What a scheduled world event does when it comes up; World maps each to one handler."""
+
+    ARRIVE = "arrive"  # a room arrives at both engines
+    DELIVER = "deliver"  # a frame reaches its destination
+    TICK = "tick"  # an endpoint's timer
+    LAND = "land"  # a bulk or direct write lands
+    COMPLETE = "complete"  # a completion (or SendFailed) reaches its endpoint
+    SCATTER = "scatter"  # a scatter finishes
+    FORWARD = "forward"  # a prefill forward pass finishes
+    ABORT = "abort"  # an engine aborts a room
+    EXPIRE = "expire"  # a room waiting for decode pages reaches its deadline
+    GENERATED = "generated"  # a succeeded room finished generating; its pages go back
+    CRASH = "crash"  # a prefill instance crashes
+    RESTART = "restart"  # and restarts
+    PARTITION = "partition"  # a set of ranks is cut off for a while
+    HOSTILE = "hostile"  # a hostile frame arrives
 
 
 @dataclass(slots=True, eq=False)
@@ -21,7 +43,7 @@ class Scheduled:
 
     time: float
     seq: int
-    kind: str
+    kind: EventKind
     payload: Any
     cancelled: bool = False
 
@@ -35,7 +57,7 @@ class EventQueue:
         self.now = 0.0
         self._live = 0
 
-    def push(self, time: float, kind: str, payload: Any = None) -> Scheduled:
+    def push(self, time: float, kind: EventKind, payload: Any = None) -> Scheduled:
         """Schedule `kind` at `time` (clamped to now: nothing is scheduled in the past)."""
         at = time if time > self.now else self.now
         entry = Scheduled(at, self._seq, kind, payload)

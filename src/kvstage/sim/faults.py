@@ -9,7 +9,7 @@ Owns: `FaultProfile` (a frozen bundle of probabilities and switches) and `FAULT_
 - `heavy`: more of everything, plus prefill crash and restart (new session id), network partitions, and a ring
   small enough to force wrapping.
 
-Pure data. Called by sim/world.py and sim/network.py; named by cli.py.
+Pure data. Called by the world (world.py, core.py) and sim/network.py; named by cli.py.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ run, and the runner prints the seed, the invariant and the trace tail.
 - R2 (a protocol rule checked directly, because its breakage is otherwise masked by retries): a decode rank
   sends Metadata only for a room it has registered.
 
-Called by sim/world.py only.
+Called by the world's parts only (world.py builds it; engines.py and dataplane.py call its checks).
 """
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ from kvstage.protocol.reasons import FAILURE_REASONS
 from kvstage.sim.memory import expected_kv
 
 if TYPE_CHECKING:
-    from kvstage.sim.world import Node, RoomState, World
+    from kvstage.sim.records import Node, RoomState
+    from kvstage.sim.world import World
 
 #: Virtual seconds a room may stay open past its deadline before L1 is violated (one retry round).
 DEADLINE_GRACE_S = 0.05

@@ -12,7 +12,8 @@ Owns:
   K/V, dim), so D1 can compare decode KV bit for bit against it.
 
 KV elements are 16-bit words (a bf16 stand-in; copies are bit-preserving, so the dtype does not matter).
-Called by sim/world.py (allocations, gathers, writes, scatters) and sim/invariants.py (ownership queries).
+Called by sim/engines.py (pools, KV memory), sim/dataplane.py (gathers, writes, scatters) and
+sim/invariants.py (ownership queries).
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
-from kvstage.sim.clock import EventQueue
+from kvstage.sim.clock import EventKind, EventQueue
 from kvstage.sim.faults import FaultProfile
 
 
@@ -66,7 +66,7 @@ class Network:
         self.stats.duplicated += copies - 1
         delivery = Delivery(src, dst, frame)
         for _ in range(copies):
-            self.queue.push(now + self.delay(), "deliver", delivery)
+            self.queue.push(now + self.delay(), EventKind.DELIVER, delivery)
 
     def delay(self) -> float:
         jitter = self.profile.delay_jitter

@@ -8,7 +8,7 @@ instances get different TP sizes, so one run mixes fan-in (P > D), fan-out (P < 
 and matched TP (the direct path); some seeds model an MLA model, where every room goes direct. Rooms range
 from one chunk to many, some with a decode-side cached prefix.
 
-Pure data plus the seeded draw. Called by sim/world.py and sim/runner.py.
+Pure data plus the seeded draw. Called by the world's parts and sim/runner.py.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Owns: `Trace`, a bounded ring of (time, node, text) records, and an optional run
 tests can prove that a seed replays exactly. Formatting is lazy: a record is a tuple until someone prints it,
 so tracing costs little when nothing fails.
 
-Called by sim/world.py (record) and sim/runner.py / cli.py (render on a violation or with `--trace`).
+Called by the world's parts (record) and sim/runner.py / cli.py (render on a violation or with `--trace`).
 """
 
 from __future__ import annotations

@@ -1,0 +1,75 @@
+"""What every part of the simulated world shares: its state, and the few primitives each part calls.
+
+Owns `WorldCore`, the base of `World`: the attributes the event loop (world.py), the engine models
+(engines.py) and the data plane (dataplane.py) all read and change, the helpers they share (a node's ranks, a
+room's id, scheduling a completion) and the two hooks the event loop implements (`feed`, `_reschedule_timer`).
+World is one object made of these parts, so a test can override any step of any part in a subclass.
+
+Called by world.py, engines.py and dataplane.py.
+"""
+
+from __future__ import annotations
+
+import random
+from abc import ABC, abstractmethod
+
+from kvstage.layout import KVLayout
+from kvstage.protocol import Codec, Event
+from kvstage.sim.clock import EventKind, EventQueue
+from kvstage.sim.faults import FaultProfile
+from kvstage.sim.invariants import Checker
+from kvstage.sim.network import Network
+from kvstage.sim.records import DecodeInstance, InflightWrite, Node, PrefillInstance, RoomState
+from kvstage.sim.scenario import RoomPlan, Scenario, SimConfig
+from kvstage.sim.trace import Trace
+
+
+class WorldCore(ABC):
+    """The shared state of one seeded run; see the module docstring."""
+
+    seed: int
+    config: SimConfig
+    profile: FaultProfile
+    rng: random.Random
+    queue: EventQueue
+    scenario: Scenario
+    network: Network
+    trace: Trace
+    codec: Codec
+    layout: KVLayout
+    payloads: bool
+    checker: Checker
+    events: int
+    core_s: float
+    steps: int
+    last_deadline: float
+    _sessions: int  # the last session id handed to a starting rank
+    _tokens: int  # the last in-flight write id
+    nodes: dict[str, Node]
+    writes: dict[int, InflightWrite]
+    scatters: dict[tuple[str, int], set[int]]
+    fences: dict[tuple[str, int], list[tuple[Node, int, int]]]
+    rooms: dict[int, RoomState]
+    prefill: list[PrefillInstance]
+    decode: list[DecodeInstance]
+
+    @abstractmethod
+    def feed(self, node: Node, event: Event) -> None:
+        """Hand `event` to `node`'s endpoint now and carry out the actions it returns (world.py)."""
+
+    @abstractmethod
+    def _reschedule_timer(self, node: Node) -> None:
+        """Schedule `node`'s next Tick for its endpoint's `next_timer()` (world.py)."""
+
+    def _complete(self, node: Node, session: int, event: Event, at: float) -> None:
+        self.queue.push(at, EventKind.COMPLETE, (node, session, event))
+
+    @staticmethod
+    def _room_id(plan: RoomPlan) -> int:
+        return int(plan.room[1:])
+
+    def _decode_nodes(self, instance: int) -> list[Node]:
+        return [self.nodes[f"D{instance}.{r}"] for r in range(self.decode[instance].tp)]
+
+    def _prefill_nodes(self, instance: int) -> list[Node]:
+        return [self.nodes[f"P{instance}.{r}"] for r in range(self.prefill[instance].tp)]

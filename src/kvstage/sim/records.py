@@ -1,0 +1,163 @@
+"""The records and the timing model of the simulated world: nodes, in-flight writes, rooms, engine instances.
+
+Owns the constants of virtual time (how long a forward pass, a write, a scatter and a room's generation take)
+and the mutable records the world keeps: `Node` (one rank), `InflightWrite`, `RoomState` (the sim's own view of
+a room on both sides), `PrefillInstance` / `DecodeInstance` (the engine models' queues) and `RunResult`.
+
+Pure data. Called by the world's parts (world.py, core.py, engines.py, dataplane.py), invariants.py and runner.py.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+from dataclasses import dataclass, field
+
+from kvstage.protocol import DecodeEndpoint, PrefillEndpoint, Timing, WriteDirect, WriteRegion
+from kvstage.ring import StagingRing
+from kvstage.sim.clock import Scheduled
+from kvstage.sim.invariants import Violation
+from kvstage.sim.memory import KVMemory, PagePool, StagingMemory, Words
+from kvstage.sim.scenario import RoomPlan
+
+#: Protocol timing in the simulated world: fast enough that runs are short, slow enough that delays matter.
+SIM_TIMING = Timing(heartbeat_s=0.1, dead_after_s=1.0, retry_initial_s=0.02, retry_max_s=0.25)
+#: Virtual seconds of one prefill forward pass, and per computed token.
+FORWARD_S = 0.002
+FORWARD_PER_TOKEN_S = 0.00005
+#: Virtual seconds a bulk write takes, and per byte; a scatter; a decode room's generation after success.
+WRITE_S = 0.001
+WRITE_PER_BYTE_S = 1e-8
+SCATTER_S = 0.0005
+GENERATE_S = 0.02
+#: Rooms one prefill forward pass computes at once.
+BATCH = 2
+#: A run that has not quiesced this long after the last deadline is stuck (Q1).
+DRAIN_S = 3 * SIM_TIMING.dead_after_s
+#: Hard cap on world events per run: a protocol that keeps itself busy forever is a liveness bug.
+MAX_STEPS = 2_000_000
+
+
+@dataclass(slots=True)
+class Node:
+    """One rank: its endpoint (None while its process is down), memory and timer."""
+
+    peer_id: str
+    side: str
+    instance: int
+    rank: int
+    tp: int
+    endpoint: DecodeEndpoint | PrefillEndpoint | None = None
+    session: int = 0
+    timer: Scheduled | None = None
+    kv: KVMemory | None = None
+    pool: PagePool | None = None
+    staging: StagingMemory | None = None
+    ring: StagingRing | None = None
+    fenced: dict[str, tuple[int, int]] = field(default_factory=dict)
+    """decode: the newest fenced incarnation of each prefill peer; its writes never land."""
+
+
+@dataclass(slots=True)
+class InflightWrite:
+    """A bulk or direct write between issue and landing."""
+
+    writer: Node
+    session: int
+    incarnation: tuple[int, int]
+    target: Node
+    action: WriteRegion | WriteDirect
+    payload: bytes | Words | None
+    """What the write carries (gathered when issued): staging bytes, or KV words on the direct path."""
+    ok: bool
+
+
+@dataclass(slots=True)
+class RoomState:
+    """The sim's own record of one room, on both sides."""
+
+    plan: RoomPlan
+    decode_pages: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    decode_registered: set[int] = field(default_factory=set)
+    """Decode ranks that were handed the room (ExpectRoom)."""
+    prefill_attached: set[int] = field(default_factory=set)
+    """Prefill ranks of the current incarnation that were handed the room (AttachRoom)."""
+    decode_outcome: dict[int, str] = field(default_factory=dict)
+    prefill_outcome: dict[int, str] = field(default_factory=dict)
+    prefill_pages: tuple[int, ...] | None = None
+    prefill_session: int = 0
+    """Incarnation of the prefill instance the room is attached to; 0 = not attached (yet)."""
+    prefill_lost: bool = False
+    decode_admitted: bool = False
+    engine_failure: str | None = None
+    """Set when an engine gave up on the room before the protocol saw it (never admitted)."""
+    computed: int = 0
+    first_failure: str | None = None
+    """The first failure reason reported anywhere (either side, or an engine): the root cause."""
+    pages_freed: bool = False
+
+    OK = "ok"
+
+    @property
+    def decode_done(self) -> bool:
+        return self.engine_failure is not None or (
+            self.decode_admitted and len(self.decode_outcome) == len(self.decode_pages)
+        )
+
+    @property
+    def succeeded(self) -> bool:
+        return (
+            self.engine_failure is None
+            and self.decode_admitted
+            and all(v == self.OK for v in self.decode_outcome.values())
+            and len(self.decode_outcome) == len(self.decode_pages)
+        )
+
+    def failure_reason(self) -> str:
+        if self.first_failure is not None:
+            return self.first_failure
+        reasons = [v for v in self.decode_outcome.values() if v != self.OK]
+        return reasons[0] if reasons else "unknown"
+
+
+@dataclass(slots=True)
+class PrefillInstance:
+    index: int
+    tp: int
+    forward_tokens: int
+    session: int = 0
+    up: bool = True
+    pool: PagePool | None = None
+    waiting: deque[int] = field(default_factory=deque)
+    """Rooms attached and admitted by decode, waiting for prefill KV pages (FIFO)."""
+    active: list[int] = field(default_factory=list)
+    """Rooms holding pages and not yet fully computed."""
+    holding: set[int] = field(default_factory=set)
+    """Rooms holding prefill pages (computing or handing off)."""
+    busy: bool = False
+    deferred: list[int] = field(default_factory=list)
+    """Rooms that arrived while the instance was down."""
+
+
+@dataclass(slots=True)
+class DecodeInstance:
+    index: int
+    tp: int
+    waiting: deque[int] = field(default_factory=deque)
+
+
+@dataclass(slots=True)
+class RunResult:
+    seed: int
+    rooms: int
+    succeeded: int
+    failed_by_reason: Counter[str]
+    violations: list[Violation]
+    events: int
+    steps: int
+    wall_s: float
+    cpu_s: float
+    """CPU seconds of the whole run (process time: a loaded machine does not inflate it)."""
+    core_s: float
+    """CPU seconds inside endpoint calls: their wall time scaled by the run's CPU/wall ratio."""
+    trace: list[str]
+    digest: str | None = None
