@@ -14,8 +14,9 @@ the copy thread (gather/scatter, `copier.py`), the control channel's I/O thread 
                     agent.abort(room);  agent.poll() -> [RoomOutcome]
 
 Each engine call only appends an event to the agent's queue. `poll` pops finished outcomes. Memory ownership
-(docs/integration.md has the full story): the engine owns its `KVPool` and allocates a room's pages; kvstage only
-reads (prefill) or writes (decode) them between the engine call and the room's outcome.
+(docs/integration.md has the full story): the engine owns its KV (a `KVPool`, or its own tensors wrapped as an
+`EngineKV`) and a room's pages; kvstage only reads (prefill) or writes (decode) them between the engine call and
+the room's outcome.
 
 Invariants:
 - a blocking call never runs on the engine's thread; bootstrap lookups run on the resolver thread;
@@ -47,7 +48,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, assert_never
 
-from kvstage.dataplane import KVPool
+from kvstage.dataplane import KVPool, KVStore
 from kvstage.errors import ConfigError, KVStageError, TransportError
 from kvstage.layout import KVLayout
 from kvstage.protocol import (
@@ -180,34 +181,18 @@ _STOP = object()
 _WAKE = object()  # a write completed: the loop polls the transport after every batch of events
 
 
-def export_pool(agent: BaseAgent) -> dict[str, bytes]:
-    """Register the engine's KV pool with the agent's transport (both sides) and, where the backend can export
-    caller memory, publish it for the direct path (prefill writes page to page into decode's pool).
-
-    A pool on a GPU is not registered: the data transports move host memory, so such a rank has the staged path
-    only (its gather/scatter cross between the GPU pool and host staging)."""
-    if agent.pool.device.type != "cpu":
-        log.info("%s: KV pool on %s; the direct path needs a host pool", agent.peer_id, agent.pool.device)
-        return {}
-    agent.pool_region = agent.transport.register(agent.pool.flat)
-    try:
-        return {"pool": encode_descriptor(agent.transport.export(agent.pool_region))}
-    except TransportError as exc:
-        log.info("%s: no direct path on this backend: %s", agent.peer_id, exc)
-        return {}
-
-
 class BaseAgent(ABC):
     """Shared machinery: queue, agent thread, control channel, resolver, bootstrap record, outcomes, metrics."""
 
     role: ClassVar[str]
     peer_role: ClassVar[str]
 
-    def __init__(self, config: AgentConfig, pool: KVPool) -> None:
-        if pool.layout != config.layout:
-            raise ConfigError(f"KV pool layout {pool.layout} differs from the agent's layout {config.layout}")
+    def __init__(self, config: AgentConfig, kv: KVStore) -> None:
+        """`kv`: this rank's KV, a `KVPool` or the engine's own tensors (`EngineKV`, staged path only)."""
+        if kv.layout != config.layout:
+            raise ConfigError(f"KV layout {kv.layout} differs from the agent's layout {config.layout}")
         self.config = config
-        self.pool = pool
+        self.pool = kv
         self.peer_id = config.peer_id
         self.metrics = AgentMetrics(self.role, self.peer_id)
         self.session = time.time_ns()
@@ -343,6 +328,67 @@ class BaseAgent(ABC):
                 return True
             time.sleep(0.01)
         return self._snapshot.quiescent
+
+    def export_pool(self) -> dict[str, bytes]:
+        """Register the KV pool with this agent's transport (both sides; the direct path's source or target) and,
+        where the backend can export caller memory, return its descriptor to publish for the direct path.
+
+        Only a host `KVPool` is registered. The data transports move host memory, so a pool on a GPU has the staged
+        path only (its gather/scatter cross between the GPU and host staging); an engine's own KV (`EngineKV`) is
+        never registered: kvstage reads and writes it in place with gather and scatter, staged only."""
+        pool = self.pool
+        if not isinstance(pool, KVPool) or pool.device.type != "cpu":
+            kind = "the engine's own KV" if not isinstance(pool, KVPool) else "a KV pool"
+            log.info("%s: %s on %s; the direct path needs a host KVPool", self.peer_id, kind, pool.device)
+            return {}
+        self.pool_region = self.transport.register(pool.flat)
+        try:
+            return {"pool": encode_descriptor(self.transport.export(self.pool_region))}
+        except TransportError as exc:
+            log.info("%s: no direct path on this backend: %s", self.peer_id, exc)
+            return {}
+
+    def _host_region(self, nbytes: int) -> LocalRegion:
+        """Transport memory for staging (prefill) or the ring (decode). When the pool is on a GPU it is asked for
+        page-locked, so the copies between it and the pool run at DMA speed (see `DataTransport.allocate`)."""
+        return self.transport.allocate(nbytes, pinned=self.pool.device.type == "cuda")
+
+    # ---- subclass hooks ----------------------------------------------------------------------------------
+
+    @abstractmethod
+    def _setup_memory(self) -> dict[str, bytes]:
+        """Register this rank's memory with the transport; return the descriptors to publish at the bootstrap."""
+
+    @abstractmethod
+    def _make_endpoint(self) -> DecodeEndpoint | PrefillEndpoint:
+        """Build this rank's protocol endpoint."""
+
+    @abstractmethod
+    def _execute(self, action: Any) -> None:
+        """Carry out one protocol action of this side (writes, scatters, fences); on the agent thread."""
+
+    def _peer_changed(self, old: PeerRecord | None, record: PeerRecord) -> None:
+        """A peer registered (or re-registered with a new session)."""
+
+    def _peer_fenced(self, peer: str) -> None:
+        """The endpoint declared `peer`'s incarnation dead or replaced, or the peer's session ended."""
+
+    def _copy_done(self, done: CopyDone) -> None:
+        """A gather or scatter submitted to the copier finished."""
+        raise TypeError(f"{self.role} agent submitted no copy {done.key!r}")
+
+    def _after_turn(self) -> None:
+        """Per-turn housekeeping on the agent thread (retry waiting writes, metrics)."""
+
+    def _progressed(self) -> None:
+        """A transfer completed: poll the transport at the shortest delay again."""
+        self._poll_delay = BUSY_POLL_MIN_S
+
+    def _busy(self) -> bool:
+        """True while transfers are in flight: the loop then polls the transport often."""
+        return False
+
+    # ---- agent thread ------------------------------------------------------------------------------------
 
     def _host_region(self, nbytes: int) -> LocalRegion:
         """Transport memory for staging (prefill) or the ring (decode). When the pool is on a GPU it is asked for

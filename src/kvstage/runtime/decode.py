@@ -2,36 +2,41 @@
 
 Owns: the ring region (allocated from the data transport and published in the bootstrap record as "ring", which
 is how writers learn where to write), the registration of the engine's KV pool for direct-path writes ("pool",
-where the backend can export it), each open room's decode slots (its pages checked and looked up once, at
-`expect_room`; every scatter of the room takes a view), scatters in flight per room, and the pairing of RoomFailed
-with FreePages so a failed room's outcome reaches the engine only when its pages are truly free.
+where the backend can export it; an engine's own KV, `EngineKV`, is never registered, so every room of such a rank
+is staged, matched TP too: `DecodeConfig.staged_only`), each open room's decode slots (its pages checked and looked
+up once, at `expect_room`; every scatter of the room takes a view), scatters in flight per room, and the pairing of
+RoomFailed with FreePages so a failed room's outcome reaches the engine only when its pages are truly free.
 
-Invariants: a scatter runs on the copy thread and its ring region is freed (by the endpoint) only after its
-Completion; FenceScatter completes only once the room has no scatter in flight; a failed room is reported with
-its pages only after the endpoint released them (FreePages); a room's slots are kept from its acceptance to its
-outcome, no longer. Called by decode engines through `kvstage.runtime`.
+Invariants: a scatter runs on the copy thread, writes the token range its Scatter action names, and its ring region
+is freed (by the endpoint) only after its Completion; FenceScatter completes only once the room has no scatter in
+flight; a failed room is reported with its pages only after the endpoint released them (FreePages); a room's slots
+are kept from its acceptance to its outcome, no longer. Called by decode engines through `kvstage.runtime`.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, cast
+from typing import Any, assert_never, cast
 
-from kvstage.dataplane import KVPool, RequestSlots, scatter_region_slots
+from kvstage.dataplane import EngineKV, KVStore, RequestSlots, scatter_region_slots
 from kvstage.errors import ConfigError
-from kvstage.layout import ChunkGrid
 from kvstage.protocol import (
+    Action,
     DecodeConfig,
     DecodeEndpoint,
     ExpectRoom,
+    FencePeer,
     FenceScatter,
     FreePages,
     RoomFailed,
     RoomSucceeded,
     Scatter,
+    Send,
+    WriteDirect,
+    WriteRegion,
 )
 from kvstage.ring import StagingRing
-from kvstage.runtime.agent import AgentConfig, AgentSnapshot, BaseAgent, RoomOutcome, export_pool
+from kvstage.runtime.agent import AgentConfig, AgentSnapshot, BaseAgent, RoomOutcome
 from kvstage.runtime.copier import CopyDone
 from kvstage.transport.data import (
     LocalRegion,
@@ -40,22 +45,23 @@ from kvstage.transport.data import (
 
 
 class DecodeAgent(BaseAgent):
-    """Decode rank: owns the staging ring's bytes, scatters arrived chunks into the engine's KV pool."""
+    """Decode rank: owns the staging ring's bytes, scatters arrived chunks into the engine's KV (a `KVPool` or the
+    engine's own tensors, `EngineKV`)."""
 
     role = "decode"
     peer_role = "prefill"
     endpoint: DecodeEndpoint
 
-    def __init__(self, config: AgentConfig, pool: KVPool) -> None:
+    def __init__(self, config: AgentConfig, kv: KVStore) -> None:
         if config.ring_bytes <= 0 or config.chunk_tokens <= 0:
             raise ConfigError("a decode agent needs ring_bytes > 0 and chunk_tokens > 0")
-        super().__init__(config, pool)
+        super().__init__(config, kv)
+        self._endpoint_config = self._decode_config()  # validated here: a ConfigError refuses the construction
         self._failed: dict[int, str] = {}
         self._freed: dict[int, tuple[int, ...]] = {}
         self._scatters: dict[int, int] = {}  # room -> scatters in flight on the copy thread
         self._fences: dict[int, list[int]] = {}  # room -> FenceScatter tokens waiting for those scatters
         self._slots: dict[int, RequestSlots] = {}  # open room -> its decode slots, looked up at expect_room
-        self._grid = ChunkGrid(config.chunk_tokens, config.layout.page_size)
         self.ring_region: LocalRegion
 
     # ---- engine-facing -----------------------------------------------------------------------------------
@@ -88,47 +94,49 @@ class DecodeAgent(BaseAgent):
 
     def _setup_memory(self) -> dict[str, bytes]:
         self.ring_region = self._host_region(self.config.ring_bytes)
-        return {"ring": encode_descriptor(self.transport.export(self.ring_region)), **export_pool(self)}
+        return {"ring": encode_descriptor(self.transport.export(self.ring_region)), **self.export_pool()}
 
-    def _make_endpoint(self) -> DecodeEndpoint:
+    def _decode_config(self) -> DecodeConfig:
         cfg = self.config
-        ring = StagingRing(cfg.ring_bytes, cfg.ring_alignment)
-        return DecodeEndpoint(
-            DecodeConfig(
-                peer_id=self.peer_id,
-                layout=cfg.layout,
-                tp_size=cfg.tp_size,
-                rank=cfg.rank,
-                chunk_tokens=cfg.chunk_tokens,
-                ring_bytes=cfg.ring_bytes,
-                ring_alignment=cfg.ring_alignment,
-                timing=cfg.timing,
-                limits=cfg.limits,
-            ),
-            self.session,
-            ring=ring,
-            codec=self._codec,
+        return DecodeConfig(
+            peer_id=self.peer_id,
+            layout=cfg.layout,
+            tp_size=cfg.tp_size,
+            rank=cfg.rank,
+            chunk_tokens=cfg.chunk_tokens,
+            ring_bytes=cfg.ring_bytes,
+            ring_alignment=cfg.ring_alignment,
+            timing=cfg.timing,
+            limits=cfg.limits,
+            staged_only=isinstance(self.pool, EngineKV),  # the direct path writes into a KVPool only
         )
 
-    def _execute(self, action: Any) -> None:
-        if isinstance(action, Scatter):
-            self._scatter(action)
-        elif isinstance(action, FenceScatter):
-            if self._scatters.get(action.room):
-                self._fences.setdefault(action.room, []).append(action.token)
-            else:
-                self._complete(action.token, True)
-        elif isinstance(action, FreePages):
-            self._freed[action.room] = tuple(action.pages)
-            self._maybe_report_failure(action.room)
-        elif isinstance(action, RoomFailed):
-            self._failed[action.room] = action.reason
-            self._maybe_report_failure(action.room)
-        elif isinstance(action, RoomSucceeded):
-            self._slots.pop(action.room, None)
-            self._outcome(RoomOutcome(action.room, True))
-        else:
-            raise TypeError(f"decode agent cannot execute {action!r}")
+    def _make_endpoint(self) -> DecodeEndpoint:
+        ring = StagingRing(self.config.ring_bytes, self.config.ring_alignment)
+        return DecodeEndpoint(self._endpoint_config, self.session, ring=ring, codec=self._codec)
+
+    def _execute(self, action: Action) -> None:
+        match action:
+            case Scatter():
+                self._scatter(action)
+            case FenceScatter():
+                if self._scatters.get(action.room):
+                    self._fences.setdefault(action.room, []).append(action.token)
+                else:
+                    self._complete(action.token, True)
+            case FreePages():
+                self._freed[action.room] = tuple(action.pages)
+                self._maybe_report_failure(action.room)
+            case RoomFailed():
+                self._failed[action.room] = action.reason
+                self._maybe_report_failure(action.room)
+            case RoomSucceeded():
+                self._slots.pop(action.room, None)
+                self._outcome(RoomOutcome(action.room, True))
+            case WriteRegion() | WriteDirect() | Send() | FencePeer():
+                raise TypeError(f"decode agent cannot execute {action!r}")
+            case _:
+                assert_never(action)
 
     def _maybe_report_failure(self, room: int) -> None:
         if room in self._failed and room in self._freed:
@@ -142,10 +150,8 @@ class DecodeAgent(BaseAgent):
 
         def job() -> int:
             slots = self._slots[action.room]  # stored when the room was accepted, dropped with its outcome
-            chunk = self._grid.chunk(action.chunk, slots.end, slots.start)
-            return scatter_region_slots(
-                ring, action.region.offset, action.plan, self.pool, slots.range(chunk.start, chunk.end)
-            )
+            chunk_slots = slots.range(action.token_start, action.token_end)
+            return scatter_region_slots(ring, action.region.offset, action.plan, self.pool, chunk_slots)
 
         self.copier.submit((action.token, action.room), job)
 

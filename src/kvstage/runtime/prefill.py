@@ -5,7 +5,9 @@ rings and pools of decode peers keyed by the decode session that published them,
 `AgentConfig.writes_per_peer` per decode peer (the rest wait in order), and each active room's slots (its pages
 looked up once per `kv_ready`, on the agent thread). Staged path: gather the chunk's heads into a staging slot on the
 copy thread, taking a view of the room's slots, then one bulk write into the decode ring. Direct path (matched TP):
-one write per contiguous run of each (layer, K/V, page) slice, straight into the decode pool.
+one write per contiguous run of each (layer, K/V, page) slice, straight into the decode pool. A rank whose KV is
+the engine's own (`EngineKV`) is staged only: its gathers read the engine's tensors in place, and a direct write
+fails its room with the reason.
 
 Invariants: a gather starts only once its staging slot no longer overlaps a write still in flight; a write goes
 only into memory of the decode session that granted it (`dst_session`), never into the ring or pool of a
@@ -21,27 +23,33 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, assert_never, cast
 
 import torch
 
-from kvstage.dataplane import KVPool, PoolGeometry, RequestSlots, gather_slots, plan_direct_slices
+from kvstage.dataplane import KVPool, KVStore, PoolGeometry, RequestSlots, gather_slots, plan_direct_slices
 from kvstage.errors import ConfigError, InvalidRequest, KVStageError, StagingOversized
 from kvstage.layout import heads_of_rank
 from kvstage.protocol import (
+    Action,
     AttachRoom,
     ComputeScheduled,
+    FencePeer,
+    FenceScatter,
+    FreePages,
     KVReady,
     PrefillConfig,
     PrefillEndpoint,
     RoomFailed,
     RoomSucceeded,
+    Scatter,
+    Send,
     WriteDirect,
     WriteRegion,
 )
 from kvstage.protocol.prefill import PrefillRoomState
 from kvstage.ring import Allocation, StagingRing, region_ready
-from kvstage.runtime.agent import AgentConfig, AgentSnapshot, BaseAgent, RoomOutcome, export_pool
+from kvstage.runtime.agent import AgentConfig, AgentSnapshot, BaseAgent, RoomOutcome
 from kvstage.runtime.copier import CopyDone
 from kvstage.transport.bootstrap import PeerRecord
 from kvstage.transport.data import (
@@ -57,6 +65,7 @@ log = logging.getLogger(__name__)
 NO_RING = "no staging ring known for the decode peer"
 STALE_RING = "the decode peer restarted since it granted this region"
 NO_LOCAL_POOL = "this rank's KV pool is on {device}; the data transports write host memory, so no direct path"
+NO_ENGINE_DIRECT = "this rank's KV is the engine's own (EngineKV), which the direct path cannot read: staged only"
 NO_POOL = "the decode peer exported no KV pool for the direct path (the local backend cannot export engine memory)"
 
 
@@ -98,10 +107,10 @@ class PrefillAgent(BaseAgent):
     peer_role = "decode"
     endpoint: PrefillEndpoint
 
-    def __init__(self, config: AgentConfig, pool: KVPool) -> None:
+    def __init__(self, config: AgentConfig, kv: KVStore) -> None:
         if config.writes_per_peer < 1:
             raise ConfigError(f"writes_per_peer must be at least 1, got {config.writes_per_peer}")
-        super().__init__(config, pool)
+        super().__init__(config, kv)
         # decode peer -> (its session, its ring) and (its session, its KV pool, the pool's geometry)
         self._rings: dict[str, tuple[int, RemoteRegion]] = {}
         self._pools: dict[str, tuple[int, RemoteRegion, PoolGeometry]] = {}
@@ -132,7 +141,7 @@ class PrefillAgent(BaseAgent):
 
     def _setup_memory(self) -> dict[str, bytes]:
         self.staging_region = self._host_region(self.config.staging_bytes)
-        export_pool(self)  # the pool is the source of direct-path writes
+        self.export_pool()  # the pool is the source of direct-path writes
         return {"staging": encode_descriptor(self.transport.export(self.staging_region))}
 
     def _make_endpoint(self) -> PrefillEndpoint:
@@ -170,17 +179,20 @@ class PrefillAgent(BaseAgent):
             return
         self._slots[event.room] = _RoomSlots(event.pages, slots)
 
-    def _execute(self, action: Any) -> None:
-        if isinstance(action, WriteRegion | WriteDirect):
-            self._issue(action)
-        elif isinstance(action, RoomSucceeded):
-            self._slots.pop(action.room, None)
-            self._outcome(RoomOutcome(action.room, True))
-        elif isinstance(action, RoomFailed):
-            self._slots.pop(action.room, None)
-            self._outcome(RoomOutcome(action.room, False, action.reason))
-        else:
-            raise TypeError(f"prefill agent cannot execute {action!r}")
+    def _execute(self, action: Action) -> None:
+        match action:
+            case WriteRegion() | WriteDirect():
+                self._issue(action)
+            case RoomSucceeded():
+                self._slots.pop(action.room, None)
+                self._outcome(RoomOutcome(action.room, True))
+            case RoomFailed():
+                self._slots.pop(action.room, None)
+                self._outcome(RoomOutcome(action.room, False, action.reason))
+            case Scatter() | FenceScatter() | FreePages() | Send() | FencePeer():
+                raise TypeError(f"prefill agent cannot execute {action!r}")
+            case _:
+                assert_never(action)
 
     def _peer_changed(self, old: PeerRecord | None, record: PeerRecord) -> None:
         held = self._rings.get(record.peer_id)
@@ -315,6 +327,9 @@ class PrefillAgent(BaseAgent):
 
     def _write_direct(self, action: WriteDirect, remote: RemoteRegion) -> None:
         """One operation per contiguous run of each (layer, K/V, page) slice, page to page."""
+        if not isinstance(self.pool, KVPool):
+            self._complete(action.token, False, NO_ENGINE_DIRECT)
+            return
         if self.pool_region is None:
             self._complete(action.token, False, NO_LOCAL_POOL.format(device=self.pool.device))
             return
@@ -368,8 +383,9 @@ class PrefillAgent(BaseAgent):
                 self._slab.free(write.slot)
             self._submit_queued(write.action.peer)
             self.metrics.transfer_finished(write.nbytes, time.perf_counter() - write.started, done.ops, done.ok)
-            self._complete(write.action.token, done.ok, "" if done.ok else f"transfer failed: {done.reason}",
-                           done.peer_gone)
+            self._complete(
+                write.action.token, done.ok, "" if done.ok else f"transfer failed: {done.reason}", done.peer_gone
+            )
 
     def _after_turn(self) -> None:
         if self._unresolved:
