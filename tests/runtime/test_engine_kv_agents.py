@@ -42,7 +42,7 @@ class Rank:
         self.free = torch.randperm(PAGES, generator=gen).tolist()
 
     def tokens(self, pages: list[int], start: int, end: int) -> torch.Tensor:
-        """`[2, L, tokens, heads, head_dim]` int16 of tokens `[start, end)` in `pages`, read from the engine's caches."""
+        """`[2, L, tokens, heads, head_dim]` int16 of tokens `[start, end)` in `pages`, read from the engine caches."""
         rows = [(pages[t // LAYOUT.page_size], t % LAYOUT.page_size) for t in range(start, end)]
         index = tuple(torch.tensor(axis) for axis in zip(*rows, strict=True))
         return torch.stack([torch.stack([view[index] for view in _vllm_cpu_views(layer)]) for layer in self.layers], 1)
