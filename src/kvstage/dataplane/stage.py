@@ -16,9 +16,10 @@ KV stores: a kvstage `KVPool` or an engine's own KV (`EngineKV`, read and writte
 `Plane`s, slot-addressed integer views: a `KVPool` is one plane over every layer and both K and V, so each copy
 is a single torch op (`index_select` / `index_copy_` over slot indices); an `EngineKV` has one plane per (K/V,
 layer), flat where its pages and positions merge into one slot axis (vLLM NHD, sglang) and indexed by (page,
-position) where they cannot (vLLM CPU, vLLM HND). No Python loop per token or page; the same code runs on CPU and
-CUDA. (A fused Triton kernel was measured on an H200 and was slower than `index_select`; see
-docs/benchmarks.md.)
+position) where they cannot (vLLM CPU, vLLM HND). No Python loop per token or page. With the KV and the staging
+on one GPU, the Triton kernels of dataplane/kernels.py copy instead (one launch over every layer and K and V, any
+of these layouts but vLLM CPU's transposed K; imported only then); this torch path is their bit-exact reference
+and serves the CPU and host staging (docs/benchmarks.md has both measured on an H200).
 
 Invariants: copies go through an integer view of the bytes (the widest word that divides the head size, the
 block's address and the store's strides), so every bit pattern survives, NaN payloads and -0.0 included, in fp32,
@@ -30,12 +31,17 @@ every writer of a chunk arrived), the simulator, the demo and the benchmarks.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from kvstage.dataplane.engine_kv import KVStore
 from kvstage.dataplane.pool import WORD_DTYPES, Pages, Plane
 from kvstage.errors import InvalidRequest
 from kvstage.layout import Chunk, StagingPlan, WriterBlock
+
+if TYPE_CHECKING:
+    from kvstage.dataplane.kernels import KVAddress
 
 
 class StagingBuffer:
@@ -146,6 +152,8 @@ def gather_slots(
 
     For hot paths that validate a request's pages once and reuse its slot indices for every chunk.
     """
+    if (address := _kernel_address(kv, staging)) is not None:
+        return address.gather(slots, head_start, num_heads, staging, offset)
     planes, block = _views(kv, staging, offset, slots.numel(), num_heads)
     # host staging of a device store: gather on the device, one copy down (returns once it has landed)
     out = block if block.device == kv.device else torch.empty(block.shape, dtype=block.dtype, device=kv.device)
@@ -194,12 +202,23 @@ def _queue_scatter(
 ) -> int:
     """Queue one block's scatter on the current stream; the caller waits with `_wait_landed` before the staging
     bytes may change. Host staging of a device store: one copy up (not waited for), then the scatter kernels."""
+    if (address := _kernel_address(kv, staging)) is not None:
+        return address.scatter(staging, offset, slots, head_start, num_heads)
     planes, block = _views(kv, staging, offset, slots.numel(), num_heads)
     src = block.to(kv.device, non_blocking=True)
     rows, heads = _Rows(slots, kv.layout.page_size, planes), slice(head_start, head_start + num_heads)
     for plane in planes:
         rows.put(plane, heads, src[plane.part])
     return block.numel() * block.element_size()
+
+
+def _kernel_address(kv: KVStore, staging: torch.Tensor) -> KVAddress | None:
+    """Where the Triton kernels copy: KV and staging on one GPU, in a layout they serve; None: the torch path."""
+    if kv.device.type != "cuda" or staging.device != kv.device:
+        return None
+    from kvstage.dataplane.kernels import address_of  # Triton: imported only for CUDA
+
+    return address_of(kv)
 
 
 def _wait_landed(kv: KVStore) -> None:
