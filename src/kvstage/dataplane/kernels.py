@@ -7,7 +7,7 @@ block) and `scatter` (block -> KV); `address_of` (a store's address, built once)
 
 Block layout as in dataplane.stage: `[K layer 0..L-1 | V layer 0..L-1]`, each layer `tokens x heads x head bytes`.
 One program copies `block_tokens` tokens of one (K|V, layer): a `[tokens, heads, head bytes]` tile, read and written
-as bytes, so every bit pattern survives (NaN payloads, -0.0, fp8) and the loads are 16-byte vectors wherever the
+as bytes, so every bit pattern survives (NaN payloads, -0.0, fp8), and Triton can issue 16-byte vector loads where the
 strides and addresses allow it (Triton specialises on their divisibility by 16).
 
 Invariants: the caller's slots come from a validated lookup (`KVPool.request_slots`, or pages the engine vouches
@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import triton  # type: ignore[import-untyped]
-import triton.language as tl  # type: ignore[import-untyped]
+import triton  # type: ignore[import-untyped,import-not-found,unused-ignore]
+import triton.language as tl  # type: ignore[import-untyped,import-not-found,unused-ignore]
 
 from kvstage.dataplane.engine_kv import KVStore
 from kvstage.dataplane.pool import KVPool
@@ -242,8 +242,8 @@ def _launch(
 
 #: Compiled kernels (and their launch grid's block and constexprs) by everything Triton specialises a launch on:
 #: device, constexprs and warps, each pointer's dtype and divisibility by 16, each int's divisibility by 16, being
-#: 1 and being 32-bit. A repeated launch skips Triton's per-call dispatch, which cost about 20 us of host time
-#: per call on the H200 host (docs/benchmarks.md). Bounded: a few entries per KV, head range and chunk size.
+#: 1 and being 32-bit. A repeated launch skips Triton's per-call dispatch: 23 us of host time per call against 37.5
+#: on the H200 host (docs/benchmarks.md). Bounded: a few entries per KV, head range and launch configuration.
 _COMPILED: dict[tuple[object, ...], tuple[Any, int, tuple[object, ...]]] = {}
 _CONSTEXPRS = ("PAGE_SIZE", "NUM_HEADS", "HEAD_BYTES", "HEADS_P2", "BYTES_P2", "BLOCK_T", "TABLE_ALIGN", "GATHER")
 
