@@ -102,14 +102,35 @@ class Rank:
     pages: list[int]
 
 
-def _rank(fmt, layout, tp, rank, num_pages, gen) -> Rank:
+def _on(layer, device: str):
+    """`layer` on `device`, strides kept (`Tensor.to` keeps a dense tensor's stride order)."""
+    return tuple(t.to(device) for t in layer) if isinstance(layer, tuple) else layer.to(device)
+
+
+def _rank(fmt, layout, tp, rank, num_pages, gen, device: str = "cpu") -> Rank:
     heads = len(heads_of_rank(layout.num_kv_heads, tp, rank))
-    layers = _engine_tensors(fmt, num_pages, layout.page_size, heads, layout.dtype, gen)
+    layers = [
+        _on(layer, device) for layer in _engine_tensors(fmt, num_pages, layout.page_size, heads, layout.dtype, gen)
+    ]
     pages = torch.randperm(num_pages, generator=gen).tolist()
     return Rank(fmt, layers, EngineKV.from_layers(layout, fmt, layers, heads), pages)
 
 
-def _handoff(h, p, d, dtype, page_size, prefill_fmt, decode_fmts, num_tokens, prefix_pages, chunk_pages, seed):
+def _handoff(
+    h,
+    p,
+    d,
+    dtype,
+    page_size,
+    prefill_fmt,
+    decode_fmts,
+    num_tokens,
+    prefix_pages,
+    chunk_pages,
+    seed,
+    device="cpu",
+    staging_device="cpu",
+):
     """Stage every chunk of the room from P prefill ranks to D decode ranks; check every decode byte."""
     gen = torch.Generator().manual_seed(seed)
     layout = KVLayout(NUM_LAYERS, h, HEAD_DIM, dtype, page_size)
@@ -117,25 +138,28 @@ def _handoff(h, p, d, dtype, page_size, prefill_fmt, decode_fmts, num_tokens, pr
     prefix = min(prefix_pages * page_size, num_tokens - 1)
     prefix -= prefix % page_size
     truth = torch.randint(0, 256, (2, NUM_LAYERS, num_tokens, h, layout.head_bytes), dtype=torch.uint8, generator=gen)
-    prefill = [_rank(prefill_fmt, layout, p, r, num_pages, gen) for r in range(p)]
+    truth = truth.to(device)
+    prefill = [_rank(prefill_fmt, layout, p, r, num_pages, gen, device) for r in range(p)]
     for r, rank in enumerate(prefill):  # the engine computes its heads of the true KV into its pages
         heads = heads_of_rank(h, p, r)
         ref = _reference(rank.fmt, rank.layers, num_pages, page_size)
         ref[:, :, *_slots(rank.pages, page_size, 0, num_tokens)] = truth[:, :, :, heads.start : heads.stop]
         _write_reference(rank, ref, num_pages, page_size)
-    decode = [_rank(decode_fmts[r % len(decode_fmts)], layout, d, r, num_pages, gen) for r in range(d)]
+    decode = [_rank(decode_fmts[r % len(decode_fmts)], layout, d, r, num_pages, gen, device) for r in range(d)]
     expected = []
     for r, rank in enumerate(decode):
         heads = heads_of_rank(h, d, r)
         want = _reference(rank.fmt, rank.layers, num_pages, page_size)
-        want[:, :, *_slots(rank.pages, page_size, prefix, num_tokens)] = truth[:, :, prefix:, heads.start : heads.stop]
+        want[:, :, *_slots(rank.pages, page_size, prefix, num_tokens)] = truth[
+            :, :, prefix:, heads.start : heads.stop
+        ].to(device)
         expected.append(want)
     grid = ChunkGrid(chunk_pages * page_size, page_size)
     for chunk in grid.chunks(num_tokens, prefix):
         for r, rank in enumerate(decode):
             plan = plan_staging(layout, p, d, r, chunk.num_tokens)
             offset = (0, 64, 3 * layout.itemsize)[chunk.index % 3]
-            staging = torch.zeros(offset + plan.total_bytes, dtype=torch.uint8)
+            staging = torch.zeros(offset + plan.total_bytes, dtype=torch.uint8, device=staging_device)
             for block in plan.blocks:
                 writer = prefill[block.prefill_rank]
                 assert gather_block(writer.kv, writer.pages, chunk, block, staging, offset) == block.nbytes
@@ -237,3 +261,17 @@ def test_a_kvpool_and_an_engine_view_of_its_storage_gather_the_same_bytes():
     for store, staging in zip((pool, engine), out, strict=True):
         gather(store, pages, 5, 40, 1, 2, staging, 0)
     assert torch.equal(out[0], out[1])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("staging_device", ["cuda", "cpu"])
+@pytest.mark.parametrize("tp", TP_PAIRS.values(), ids=TP_PAIRS.keys())
+@pytest.mark.parametrize("prefill_fmt", FORMATS, ids=[f.value for f in FORMATS])
+def test_staged_handoff_between_engine_layouts_on_a_gpu_is_bit_exact(prefill_fmt, tp, staging_device):
+    """Engine tensors on the GPU; staging on it too, or in host memory (what the DRAM transports register)."""
+    h, p, d = tp
+    for dtype in DTYPES:
+        for page_size in PAGE_SIZES:
+            _handoff(h, p, d, dtype, page_size, prefill_fmt, FORMATS, 3 * page_size + 5, 1, 2, seed=page_size,
+                     device="cuda", staging_device=staging_device)  # fmt: skip
