@@ -21,6 +21,7 @@ from kvstage.protocol.codec import DEFAULT_MAX_FRAME_BYTES
 from kvstage.protocol.messages import PROTOCOL_VERSION, Body, Envelope
 from kvstage.runtime import AgentConfig, DecodeAgent, PrefillAgent, RoomOutcome, peer_id
 from kvstage.runtime.outbox import ParkLimits
+from kvstage.transport.auth import FrameAuth
 from kvstage.transport.bootstrap import BootstrapServer
 from kvstage.transport.control import ChannelConfig
 
@@ -41,7 +42,9 @@ class Caps:
     channel: ChannelConfig = field(default_factory=lambda: ChannelConfig(max_frame_bytes=DEFAULT_MAX_FRAME_BYTES))
 
 
-def config(instance: str, rank: int, tp: int, bootstrap: str, caps: Caps = Caps()) -> AgentConfig:
+def config(
+    instance: str, rank: int, tp: int, bootstrap: str, caps: Caps = Caps(), secret: bytes | None = None
+) -> AgentConfig:
     return AgentConfig(
         instance=instance,
         rank=rank,
@@ -52,6 +55,7 @@ def config(instance: str, rank: int, tp: int, bootstrap: str, caps: Caps = Caps(
         limits=caps.limits,
         park=caps.park,
         channel=caps.channel,
+        secret=secret,
         chunk_tokens=CHUNK,
         ring_bytes=16384,
         staging_bytes=16384,
@@ -69,9 +73,11 @@ def wait_outcomes(agent: DecodeAgent | PrefillAgent, rooms: Iterable[int], timeo
     return got
 
 
-def prefill_instance(name: str, bootstrap: str, caps: Caps = Caps()) -> list[PrefillAgent]:
+def prefill_instance(name: str, bootstrap: str, caps: Caps = Caps(), secret: bytes | None = None) -> list[PrefillAgent]:
     return [
-        PrefillAgent(config(name, r, PREFILL_TP, bootstrap, caps), KVPool.for_rank(LAYOUT, PREFILL_TP, r, 16)).start()
+        PrefillAgent(
+            config(name, r, PREFILL_TP, bootstrap, caps, secret), KVPool.for_rank(LAYOUT, PREFILL_TP, r, 16)
+        ).start()
         for r in range(PREFILL_TP)
     ]
 
@@ -88,11 +94,11 @@ def start_room(agent: PrefillAgent, room: int, num_tokens: int = ROOM_TOKENS) ->
 class Deployment:
     """A bootstrap service and one decode rank (instance "D"), in this process."""
 
-    def __init__(self, caps: Caps = Caps()) -> None:
-        self.caps = caps
-        self.bootstrap = BootstrapServer().start()
+    def __init__(self, caps: Caps = Caps(), secret: bytes | None = None) -> None:
+        self.caps, self.secret = caps, secret
+        self.bootstrap = BootstrapServer(secret=secret).start()
         pool = KVPool.for_rank(LAYOUT, 1, 0, 256)
-        self.decode = DecodeAgent(config("D", 0, 1, self.bootstrap.address, caps), pool).start()
+        self.decode = DecodeAgent(config("D", 0, 1, self.bootstrap.address, caps, secret), pool).start()
 
     def expect(self, room: int, instance: str, num_tokens: int = ROOM_TOKENS) -> tuple[int, ...]:
         pages = tuple(self.decode.pool.allocator.allocate(-(-num_tokens // LAYOUT.page_size), room))
@@ -128,9 +134,12 @@ class Deployment:
 
 
 class Stranger:
-    """A raw DEALER at decode's control socket, sending frames under any sender id."""
+    """A raw DEALER at decode's control socket, sending frames under any sender id (sealed with `secret` if
+    given: the right one makes it an insider, a wrong one a forger)."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, secret: bytes | None = None) -> None:
+        self.address = address
+        self.auth = None if secret is None else FrameAuth(secret)
         self.codec = Codec()
         self.sock = zmq.Context.instance().socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -138,10 +147,14 @@ class Stranger:
         self.sock.connect(address)
         self.seq = 0
 
-    def send(self, sender: str, body: Body, session: int = 1, epoch: int = 0) -> None:
+    def send(self, sender: str, body: Body, session: int = 1, epoch: int = 0) -> bytes:
+        """Send one envelope; returns the frame as sent (to replay it)."""
         self.seq += 1
-        envelope = Envelope(PROTOCOL_VERSION, sender, session, epoch, self.seq, None, body)
-        self.sock.send(self.codec.encode(envelope))
+        frame = self.codec.encode(Envelope(PROTOCOL_VERSION, sender, session, epoch, self.seq, None, body))
+        if self.auth is not None:
+            frame = self.auth.seal(frame, self.address.encode())
+        self.sock.send(frame)
+        return frame
 
     def send_raw(self, frame: bytes) -> None:
         self.sock.send(frame)

@@ -80,6 +80,7 @@ from kvstage.runtime.copier import Copier, CopyDone
 from kvstage.runtime.directory import Resolver
 from kvstage.runtime.metrics import AgentMetrics
 from kvstage.runtime.outbox import ParkedSends, ParkLimits
+from kvstage.transport.auth import FrameAuth
 from kvstage.transport.bootstrap import BootstrapClient, LayoutRecord, PeerRecord, check_compatible
 from kvstage.transport.control import ChannelConfig, ControlChannel
 from kvstage.transport.data import (
@@ -126,6 +127,10 @@ class AgentConfig:
     bootstrap: str
     transport: TransportConfig = field(default_factory=TransportConfig)
     control_bind: str = "tcp://127.0.0.1:*"
+    #: Shared secret of the deployment (`kvstage.transport.auth.load_secret`): every control frame and bootstrap
+    #: request is then authenticated. Without one, `control_bind` must be a loopback address unless `insecure`.
+    secret: bytes | None = field(default=None, repr=False)
+    insecure: bool = False
     timing: Timing = field(default_factory=Timing)
     limits: Limits = field(default_factory=Limits)
     channel: ChannelConfig = field(default_factory=lambda: ChannelConfig(max_frame_bytes=DEFAULT_MAX_FRAME_BYTES))
@@ -240,6 +245,8 @@ class BaseAgent(ABC):
                 on_reject=self.metrics.frame_rejected,
                 config=self.config.channel,
                 name=self.peer_id,
+                auth=None if self.config.secret is None else FrameAuth(self.config.secret),
+                insecure=self.config.insecure,
             ).start()
             self.resolver = Resolver(
                 self.config.bootstrap,
@@ -247,10 +254,11 @@ class BaseAgent(ABC):
                 refresh_s=self.config.resolve_refresh_s,
                 max_peers=self.config.limits.max_peers,
                 unresolved_ttl_s=self.config.park.ttl_s,
+                secret=self.config.secret,
                 name=f"{self.peer_id}-resolver",
             ).start()
             record = self._record(descriptors)
-            client = BootstrapClient(self.config.bootstrap)
+            client = self._bootstrap_client()
             try:
                 client.register(record)
             finally:
@@ -272,7 +280,7 @@ class BaseAgent(ABC):
         self._events.put(_STOP)
         self._thread.join(10)
         self.copier.close()
-        client = BootstrapClient(self.config.bootstrap, timeout_s=1.0)
+        client = self._bootstrap_client(timeout_s=1.0)
         try:
             client.unregister(self.peer_id, self.session)
         except KVStageError as exc:
@@ -297,7 +305,7 @@ class BaseAgent(ABC):
         Waits until all `tp_size` ranks are registered, checks each one's layout against this agent's
         (`CompatibilityError` naming both values on a mismatch) and returns their peer ids by rank.
         """
-        client = BootstrapClient(self.config.bootstrap)
+        client = self._bootstrap_client()
         try:
             records = client.wait_for_instance(instance, self.peer_role, tp_size, timeout_s)  # type: ignore[arg-type]
         finally:
@@ -390,47 +398,8 @@ class BaseAgent(ABC):
 
     # ---- agent thread ------------------------------------------------------------------------------------
 
-    def _host_region(self, nbytes: int) -> LocalRegion:
-        """Transport memory for staging (prefill) or the ring (decode). When the pool is on a GPU it is asked for
-        page-locked, so the copies between it and the pool run at DMA speed (see `DataTransport.allocate`)."""
-        return self.transport.allocate(nbytes, pinned=self.pool.device.type == "cuda")
-
-    # ---- subclass hooks ----------------------------------------------------------------------------------
-
-    @abstractmethod
-    def _setup_memory(self) -> dict[str, bytes]:
-        """Register this rank's memory with the transport; return the descriptors to publish at the bootstrap."""
-
-    @abstractmethod
-    def _make_endpoint(self) -> DecodeEndpoint | PrefillEndpoint:
-        """Build this rank's protocol endpoint."""
-
-    @abstractmethod
-    def _execute(self, action: Any) -> None:
-        """Carry out one protocol action of this side (writes, scatters, fences); on the agent thread."""
-
-    def _peer_changed(self, old: PeerRecord | None, record: PeerRecord) -> None:
-        """A peer registered (or re-registered with a new session)."""
-
-    def _peer_fenced(self, peer: str) -> None:
-        """The endpoint declared `peer`'s incarnation dead or replaced, or the peer's session ended."""
-
-    def _copy_done(self, done: CopyDone) -> None:
-        """A gather or scatter submitted to the copier finished."""
-        raise TypeError(f"{self.role} agent submitted no copy {done.key!r}")
-
-    def _after_turn(self) -> None:
-        """Per-turn housekeeping on the agent thread (retry waiting writes, metrics)."""
-
-    def _progressed(self) -> None:
-        """A transfer completed: poll the transport at the shortest delay again."""
-        self._poll_delay = BUSY_POLL_MIN_S
-
-    def _busy(self) -> bool:
-        """True while transfers are in flight: the loop then polls the transport often."""
-        return False
-
-    # ---- agent thread ------------------------------------------------------------------------------------
+    def _bootstrap_client(self, timeout_s: float = 5.0) -> BootstrapClient:
+        return BootstrapClient(self.config.bootstrap, timeout_s=timeout_s, secret=self.config.secret)
 
     def _record(self, descriptors: dict[str, bytes]) -> PeerRecord:
         return PeerRecord(

@@ -13,6 +13,10 @@ Owns:
 
 Invariants: every request and record is decoded with msgspec under explicit bounds (frame size, string lengths,
 descriptor sizes, record count); a bad request gets an error reply and is counted, never crashes the service.
+With a shared secret (transport/auth.py) every request is sealed with HMAC-SHA256 and opened before it is decoded;
+the server answers only authentic, fresh requests (others get a fixed unsigned refusal and are counted by reason
+in `rejected`), so the memory descriptors it holds never reach a stranger, and it seals each reply bound to the
+request it answers. Without a secret the server refuses to bind beyond loopback unless `insecure`.
 Called by runtime/ agents, `kvstage bench`, and tests.
 """
 
@@ -21,6 +25,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import Counter
 from typing import Annotated, Final, Literal
 
 import msgspec
@@ -29,6 +34,7 @@ from msgspec import Meta
 
 from kvstage.errors import CompatibilityError, ProtocolError, TransportError
 from kvstage.layout import KVLayout
+from kvstage.transport.auth import OVERHEAD, TAG_BYTES, FrameAuth, check_bind
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +42,10 @@ MAX_FRAME_BYTES: Final = 8 * 2**20
 MAX_RECORDS: Final = 4096
 MAX_DESCRIPTORS: Final = 16
 MAX_DESCRIPTOR_BYTES: Final = 2**20 + 4096
+#: What a bootstrap request's tag is bound to (transport/auth.py); a reply is bound to its request's tag.
+REQUEST_CONTEXT: Final = b"kvstage bootstrap request"
+#: The reason counted for a request that is not decodable.
+REJECT_BAD_REQUEST: Final = "bad request"
 
 Name = Annotated[str, Meta(min_length=1, max_length=256)]
 Role = Literal["prefill", "decode"]
@@ -107,6 +117,7 @@ class _Reply(msgspec.Struct, frozen=True):
 _encoder = msgspec.msgpack.Encoder()
 _request_decoder = msgspec.msgpack.Decoder(_Request)
 _reply_decoder = msgspec.msgpack.Decoder(_Reply)
+_REFUSED = _encoder.encode(_Reply(False, "unauthenticated request: kvstage bootstrap needs the shared secret"))
 
 
 def check_compatible(mine: KVLayout, theirs: PeerRecord, *, me: str = "this rank") -> None:
@@ -131,8 +142,12 @@ class BootstrapServer:
         *,
         max_records: int = MAX_RECORDS,
         context: zmq.Context[zmq.Socket[bytes]] | None = None,
+        secret: bytes | None = None,
+        insecure: bool = False,
     ) -> None:
         self._bind = bind
+        self._auth = None if secret is None else FrameAuth(secret)
+        self._insecure = insecure
         self._max_records = max_records
         self._context = context or zmq.Context.instance()
         self._records: dict[str, PeerRecord] = {}
@@ -141,7 +156,7 @@ class BootstrapServer:
         self._started = threading.Event()
         self._start_error: zmq.ZMQError | None = None
         self._address = ""
-        self.rejected = 0
+        self.rejected: Counter[str] = Counter()
         self._thread = threading.Thread(target=self._run, name="kvstage-bootstrap", daemon=True)
 
     @property
@@ -149,6 +164,8 @@ class BootstrapServer:
         return self._address
 
     def start(self) -> BootstrapServer:
+        """Bind and serve; `TransportError` if binding failed, `ConfigError` for an open bind without a secret."""
+        check_bind(self._bind, self._auth is not None, self._insecure, "kvstage bootstrap")
         self._thread.start()
         self._started.wait()
         if self._start_error is not None:
@@ -173,7 +190,7 @@ class BootstrapServer:
         try:
             sock = self._context.socket(zmq.ROUTER)
             sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+            sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES + OVERHEAD)
             sock.bind(self._bind)
             self._address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         except zmq.ZMQError as exc:
@@ -187,21 +204,30 @@ class BootstrapServer:
                     continue
                 parts = sock.recv_multipart(zmq.NOBLOCK)
                 if len(parts) != 3 or parts[1] != b"":
-                    self.rejected += 1
+                    self.rejected["multipart"] += 1
                     continue
-                reply = self._handle(parts[2])
                 try:
-                    sock.send_multipart([parts[0], b"", _encoder.encode(reply)], zmq.NOBLOCK)
+                    sock.send_multipart([parts[0], b"", self._answer(parts[2])], zmq.NOBLOCK)
                 except zmq.Again:
                     log.warning("bootstrap: reply dropped, client %r is not reading", parts[0])
         finally:
             sock.close(linger=0)
 
+    def _answer(self, frame: bytes) -> bytes:
+        """The reply frame to one request frame: opened first when there is a secret, sealed to the request."""
+        if self._auth is None:
+            return _encoder.encode(self._handle(frame))
+        opened = self._auth.open(frame, REQUEST_CONTEXT)
+        if isinstance(opened, str):
+            self.rejected[opened] += 1
+            return _REFUSED
+        return self._auth.seal(_encoder.encode(self._handle(opened.payload)), opened.tag)
+
     def _handle(self, frame: bytes) -> _Reply:
         try:
             request = _request_decoder.decode(frame)
         except msgspec.MsgspecError as exc:
-            self.rejected += 1
+            self.rejected[REJECT_BAD_REQUEST] += 1
             return _Reply(False, f"bad request: {exc}")
         with self._lock:
             if isinstance(request, _Register):
@@ -230,10 +256,16 @@ class BootstrapClient:
     """Blocking client of a `BootstrapServer`, for one thread; every call times out after `timeout_s`."""
 
     def __init__(
-        self, address: str, *, timeout_s: float = 5.0, context: zmq.Context[zmq.Socket[bytes]] | None = None
+        self,
+        address: str,
+        *,
+        timeout_s: float = 5.0,
+        context: zmq.Context[zmq.Socket[bytes]] | None = None,
+        secret: bytes | None = None,
     ) -> None:
         self.address = address
         self.timeout_s = timeout_s
+        self._auth = None if secret is None else FrameAuth(secret)
         self._context = context or zmq.Context.instance()
         self._sock: zmq.Socket[bytes] | None = None
 
@@ -274,14 +306,27 @@ class BootstrapClient:
         if self._sock is None:
             self._sock = self._context.socket(zmq.REQ)
             self._sock.setsockopt(zmq.LINGER, 0)
-            self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+            self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES + OVERHEAD)
             self._sock.connect(self.address)
-        self._sock.send(_encoder.encode(request))
+        frame = _encoder.encode(request)
+        if self._auth is not None:
+            frame = self._auth.seal(frame, REQUEST_CONTEXT)
+        self._sock.send(frame)
         if not self._sock.poll(int(self.timeout_s * 1000), zmq.POLLIN):
             self.close()  # a REQ socket that missed its reply cannot send again; start over next call
             raise TransportError(f"bootstrap {self.address} did not answer within {self.timeout_s}s")
+        answer = self._sock.recv()
+        if self._auth is not None:
+            opened = self._auth.open(answer, frame[-TAG_BYTES:])  # bound to this request's tag
+            if isinstance(opened, str):
+                self.close()
+                raise TransportError(
+                    f"bootstrap {self.address} answered without authentication ({opened}): is the shared secret the "
+                    "same on both sides?"
+                )
+            answer = opened.payload
         try:
-            reply = _reply_decoder.decode(self._sock.recv())
+            reply = _reply_decoder.decode(answer)
         except msgspec.MsgspecError as exc:
             self.close()
             raise ProtocolError(f"bootstrap {self.address} sent a bad reply: {exc}") from exc

@@ -11,6 +11,10 @@ Invariants:
   through a socket pair; a full outbox raises `OutboxFull`, which the caller turns into a room failure;
 - a frame the I/O thread cannot hand to ZeroMQ (peer's queue full, too many peers, channel closing) is reported
   through `on_send_failure` with the original message, never dropped silently;
+- with a shared secret (`auth`), every frame is sealed with HMAC-SHA256 bound to the receiver's address
+  (transport/auth.py) and an inbound frame is opened before it is decoded: a frame without the secret is
+  dropped as "auth", a replayed one as "replay". Without a secret the channel refuses to bind beyond loopback
+  unless `insecure` (`check_bind`);
 - an inbound frame that is multi-part, larger than `max_frame_bytes` or undecodable is counted by reason and
   dropped; it never stops the thread. ZeroMQ itself drops connections that send more than `4 * max_frame_bytes`,
   so no peer can make the channel hold an unbounded frame;
@@ -35,6 +39,7 @@ from typing import Generic, TypeVar
 import zmq
 
 from kvstage.errors import ProtocolError, TransportError
+from kvstage.transport.auth import OVERHEAD, FrameAuth, check_bind
 
 log = logging.getLogger(__name__)
 
@@ -112,8 +117,12 @@ class ControlChannel(Generic[M]):
         config: ChannelConfig | None = None,
         context: zmq.Context[zmq.Socket[bytes]] | None = None,
         name: str = "control",
+        auth: FrameAuth | None = None,
+        insecure: bool = False,
     ) -> None:
         self._bind = bind
+        self._auth = auth
+        self._insecure = insecure
         self._encode = encode
         self._decode = decode
         self._deliver = deliver
@@ -141,7 +150,9 @@ class ControlChannel(Generic[M]):
     # ---- caller side -------------------------------------------------------------------------------------
 
     def start(self) -> ControlChannel[M]:
-        """Start the I/O thread; returns once the ROUTER is bound (raises `TransportError` if binding failed)."""
+        """Start the I/O thread; returns once the ROUTER is bound (raises `TransportError` if binding failed, and
+        `ConfigError` for a bind beyond loopback without a secret or `insecure`)."""
+        check_bind(self._bind, self._auth is not None, self._insecure, f"control channel {self.name}")
         self._thread.start()
         self._started.wait()
         if self._start_error is not None:
@@ -160,6 +171,8 @@ class ControlChannel(Generic[M]):
             raise TransportError(
                 f"{self.name}: frame of {len(frame)} bytes exceeds max_frame_bytes={self.config.max_frame_bytes}"
             )
+        if self._auth is not None:
+            frame = self._auth.seal(frame, peer.encode())
         self._enqueue(_Outgoing(peer, message, frame))
 
     def forget_peer(self, peer: str) -> None:
@@ -219,7 +232,7 @@ class ControlChannel(Generic[M]):
         try:
             router = self._context.socket(zmq.ROUTER)
             router.setsockopt(zmq.LINGER, 0)
-            router.setsockopt(zmq.MAXMSGSIZE, 4 * self.config.max_frame_bytes)
+            router.setsockopt(zmq.MAXMSGSIZE, 4 * self.config.max_frame_bytes + OVERHEAD)
             router.setsockopt(zmq.RCVHWM, self.config.peer_send_hwm)
             router.bind(self._bind)
             self._address = router.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -317,9 +330,15 @@ class ControlChannel(Generic[M]):
                 self._reject(REJECT_MULTIPART)
                 continue
             frame = parts[1]
-            if len(frame) > self.config.max_frame_bytes:
+            if len(frame) > self.config.max_frame_bytes + (0 if self._auth is None else OVERHEAD):
                 self._reject(REJECT_OVERSIZE)
                 continue
+            if self._auth is not None:
+                opened = self._auth.open(frame, self._address.encode())
+                if isinstance(opened, str):
+                    self._reject(opened)
+                    continue
+                frame = opened.payload
             try:
                 message = self._decode(frame)
             except ProtocolError as exc:

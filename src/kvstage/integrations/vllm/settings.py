@@ -30,6 +30,9 @@ class ConnectorSettings:
     - `room_timeout_s`: a request's KV handoff ends, with success or a stated failure, by this deadline.
     - `report_dir`: when set, each rank appends per-page digests of the KV it sent or received, and its
       transfer counters, to a file there (the demo's checks). Off by default: it reads every byte once more.
+    - `secret_file`: a file holding the deployment's shared secret (else `KVSTAGE_SECRET`, else none): every
+      control frame and bootstrap request is then authenticated (docs/security.md). Needed when `host` is not a
+      loopback address.
     """
 
     instance: str
@@ -41,6 +44,7 @@ class ConnectorSettings:
     staging_mib: int = 64
     room_timeout_s: float = 120.0
     report_dir: str = ""
+    secret_file: str = ""
 
     def __post_init__(self) -> None:
         if not self.instance or "/" in self.instance:

@@ -34,6 +34,7 @@ from kvstage.integrations.vllm.report import RankReport, page_digests
 from kvstage.integrations.vllm.settings import ConnectorSettings
 from kvstage.layout import KVLayout, heads_of_rank
 from kvstage.runtime import AgentConfig, DecodeAgent, PrefillAgent, peer_id
+from kvstage.transport.auth import load_secret
 from kvstage.transport.data import TransportConfig
 
 if TYPE_CHECKING:
@@ -101,6 +102,7 @@ class WorkerSide:
             chunk_tokens=s.chunk_tokens_for(layout.page_size),
             ring_bytes=s.ring_mib << 20,
             staging_bytes=s.staging_mib << 20,
+            secret=load_secret(s.secret_file or None),
         )
         agent = PrefillAgent(config, self._kv) if self._producer else DecodeAgent(config, self._kv)
         agent.start()
