@@ -8,17 +8,13 @@ unless a secret is given (`KVSTAGE_SECRET` or `--secret-file`) or `--insecure` o
 
 from __future__ import annotations
 
-import ipaddress
 import logging
-import os
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
 log = logging.getLogger("kvstage.cli")
-
-SECRET_ENV = "KVSTAGE_SECRET"
 
 app = typer.Typer(
     name="kvstage",
@@ -192,51 +188,24 @@ def bench(
         typer.echo(json_line(result))
 
 
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False  # a host name other than localhost may resolve to any interface
+def _start_service(service: str, endpoint: str, secret_file: str | None, insecure: bool) -> bytes | None:
+    """Log to stderr and load the shared secret (None without one); a bad secret, or an open bind without one and
+    without `--insecure`, exits 2 naming what is needed. An open bind under `--insecure` is logged as a warning."""
+    from kvstage.errors import ConfigError
+    from kvstage.transport.auth import check_bind, is_loopback_endpoint, load_secret
 
-
-def _load_secret(secret_file: str | None) -> bytes | None:
-    """The shared secret from `--secret-file`, else from `KVSTAGE_SECRET`; None when neither is given."""
-    if secret_file is not None:
-        try:
-            secret = Path(secret_file).read_bytes().strip()
-        except OSError as exc:
-            raise typer.BadParameter(f"cannot read the secret file: {exc}", param_hint="--secret-file") from exc
-        if not secret:
-            raise typer.BadParameter(f"{secret_file} is empty", param_hint="--secret-file")
-        return secret
-    env = os.environ.get(SECRET_ENV, "").strip()
-    return env.encode() if env else None
-
-
-def _guard_open_bind(service: str, host: str, secret: bytes | None, insecure: bool) -> None:
-    """Refuse (exit 2) a non-loopback bind without a secret, unless `--insecure` opts out (then warn)."""
-    if _is_loopback(host) or secret is not None:
-        return
-    if insecure:
-        log.warning(
-            "%s binds %s without a secret (--insecure): anyone who can reach this address can use it", service, host
-        )
-        return
-    typer.echo(
-        f"kvstage {service}: refusing to bind the non-loopback address {host} without a secret. "
-        f"Give a shared secret through the {SECRET_ENV} environment variable or --secret-file, "
-        "or pass --insecure to opt out.",
-        err=True,
-    )
-    raise typer.Exit(code=2)
-
-
-def _start_service(service: str, host: str, secret_file: str | None, insecure: bool) -> None:
-    """Log to stderr, load the secret and apply the open-bind rule (the services take no secret of their own yet)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    _guard_open_bind(service, host, _load_secret(secret_file), insecure)
+    try:
+        secret = load_secret(secret_file)
+        check_bind(endpoint, secret is not None, insecure, f"kvstage {service}")
+    except ConfigError as exc:
+        typer.echo(f"kvstage {service}: {exc}", err=True)
+        raise typer.Exit(code=2) from exc
+    if secret is None and not is_loopback_endpoint(endpoint):
+        log.warning(
+            "%s listens on %s without a secret (--insecure): anyone who reaches it can use it", service, endpoint
+        )
+    return secret
 
 
 def _zmq_address(host: str, port: int) -> str:
@@ -245,7 +214,7 @@ def _zmq_address(host: str, port: int) -> str:
 
 
 _HOST_HELP = "Address to bind; a non-loopback address needs a secret or --insecure."
-_SECRET_FILE_HELP = f"File holding the shared secret (else ${SECRET_ENV})."
+_SECRET_FILE_HELP = "File holding the shared secret, at least 16 bytes (else $KVSTAGE_SECRET)."
 _INSECURE_HELP = "Allow a non-loopback bind without a secret (logged as a warning)."
 
 
@@ -263,12 +232,13 @@ def bootstrap(
     from kvstage.errors import TransportError
     from kvstage.transport.bootstrap import BootstrapServer
 
-    _start_service("bootstrap", host, secret_file, insecure)
+    bind = _zmq_address(host, port)
+    secret = _start_service("bootstrap", bind, secret_file, insecure)
     stop = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda _signum, _frame: stop.set())
     try:
-        server = BootstrapServer(_zmq_address(host, port)).start()
+        server = BootstrapServer(bind, secret=secret, insecure=insecure).start()
     except TransportError as exc:
         typer.echo(f"kvstage bootstrap: {exc}", err=True)
         raise typer.Exit(code=1) from exc
@@ -308,7 +278,7 @@ def router(
     from kvstage.router.app import RouterConfig, serve
     from kvstage.router.instances import Instance, Role, parse_instance
 
-    _start_service("router", host, secret_file, insecure)
+    secret = _start_service("router", _zmq_address(host, port), secret_file, insecure)
 
     def instances(specs: list[str], role: Role, flag: str) -> tuple[Instance, ...]:
         try:
@@ -325,5 +295,6 @@ def router(
         connect_timeout_s=connect_timeout,
         read_timeout_s=read_timeout,
         prefill_timeout_s=prefill_timeout,
+        secret=secret,
     )
     serve(config, host, port)

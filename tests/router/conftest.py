@@ -228,15 +228,19 @@ def peer_record(instance: str, role: Role, tp: int, rank: int, session: int = 1)
 def bootstrap() -> Iterator[BootstrapServer]:
     """A real bootstrap with prefill instances P0, P1 (TP 2) and decode instances D0, D1 (TP 1) registered."""
     with BootstrapServer() as server:
-        client = BootstrapClient(server.address)
-        for name in ("P0", "P1"):
-            for rank in range(PREFILL_TP):
-                client.register(peer_record(name, "prefill", PREFILL_TP, rank))
-        for name in ("D0", "D1"):
-            for rank in range(DECODE_TP):
-                client.register(peer_record(name, "decode", DECODE_TP, rank))
-        client.close()
+        register_instances(server.address)
         yield server
+
+
+def register_instances(address: str, secret: bytes | None = None) -> None:
+    client = BootstrapClient(address, secret=secret)
+    for name in ("P0", "P1"):
+        for rank in range(PREFILL_TP):
+            client.register(peer_record(name, "prefill", PREFILL_TP, rank))
+    for name in ("D0", "D1"):
+        for rank in range(DECODE_TP):
+            client.register(peer_record(name, "decode", DECODE_TP, rank))
+    client.close()
 
 
 @pytest.fixture
@@ -265,11 +269,13 @@ class RunningRouter:
 
 @pytest.fixture
 def start_router(bootstrap: BootstrapServer) -> Iterator[Callable[..., RunningRouter]]:
-    """Starts a router (real uvicorn on loopback) in front of the given instances."""
+    """Starts a router (real uvicorn on loopback) in front of the given instances (and `bootstrap`, unless the
+    options name another)."""
     served: list[ServedApp] = []
 
     def start(prefill: list[Instance], decode: list[Instance], **options: Any) -> RunningRouter:
-        config = RouterConfig(bootstrap.address, tuple(prefill), tuple(decode), **options)
+        address = options.pop("bootstrap", bootstrap.address)
+        config = RouterConfig(address, tuple(prefill), tuple(decode), **options)
         app = create_app(config)
         served.append(ServedApp(app))
         return RunningRouter(served[-1].url, app.state.router)

@@ -91,7 +91,7 @@ def test_bootstrap_on_loopback_serves_until_sigterm(services: list[_Service]) ->
 
 def test_bootstrap_open_bind_with_a_secret_or_insecure_starts(services: list[_Service], tmp_path: Path) -> None:
     secret = tmp_path / "secret"
-    secret.write_text("s3cret\n")
+    secret.write_text("a-shared-secret-of-32-characters\n")
     with_file = _Service("bootstrap", "--host", "0.0.0.0", "--port", "0", "--secret-file", str(secret))
     services.append(with_file)
     with_file.wait_for_line(r"bootstrap listening on tcp://0\.0\.0\.0:\d+")
@@ -101,9 +101,10 @@ def test_bootstrap_open_bind_with_a_secret_or_insecure_starts(services: list[_Se
     insecure.wait_for_line(r"WARNING .*without a secret \(--insecure\)")
     insecure.wait_for_line(r"bootstrap listening on")
     assert insecure.stop(signal.SIGTERM) == 0
-    empty = tmp_path / "empty"
-    empty.write_text("")
-    assert _run("bootstrap", "--host", "0.0.0.0", "--secret-file", str(empty)).returncode != 0
+    short = tmp_path / "short"
+    short.write_text("s3cret")
+    refused = _run("bootstrap", "--secret-file", str(short))
+    assert refused.returncode == 2 and "at least 16" in refused.stderr
 
 
 def _free_port() -> int:

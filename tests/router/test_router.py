@@ -11,12 +11,18 @@ import httpx
 import openai
 import pytest
 
-from conftest import DECODE_TP, PREFILL_TP, closed_port_url, peer_record, wait_until
+from conftest import DECODE_TP, PREFILL_TP, closed_port_url, peer_record, register_instances, wait_until
 from kvstage.router.instances import Instance
-from kvstage.transport.bootstrap import BootstrapClient
+from kvstage.transport.bootstrap import BootstrapClient, BootstrapServer
 
 BODY = {"model": "m", "prompt": "hello there", "max_tokens": 16, "temperature": 0.0}
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 16}
+
+
+def arrived(fake, count: int) -> list:
+    """The requests `fake` received, once there are `count` (prefill's may land after decode has answered)."""
+    wait_until(lambda: len(fake.received) >= count, f"{count} requests at {fake.name}")
+    return fake.received
 
 
 @pytest.fixture
@@ -30,7 +36,7 @@ def test_both_sides_get_one_room_and_each_other_as_peer(pair, start_router) -> N
     client_body = {**BODY, "kv_transfer_params": {"kvstage_room": 7, "kvstage_peer": "evil"}}
     reply = httpx.post(router.url + "/v1/completions", json=client_body, timeout=10)
     assert reply.status_code == 200, reply.text
-    (to_prefill,), (to_decode,) = prefill.received, decode.received
+    (to_prefill,), (to_decode,) = arrived(prefill, 1), decode.received
     room = to_decode.room
     assert 1 <= room < 2**63 and room != 7
     assert to_prefill.body["kv_transfer_params"] == {"kvstage_room": room, "kvstage_peer": "D0", "kvstage_peer_tp": 1}
@@ -50,7 +56,7 @@ def test_chat_prefill_is_one_unstreamed_token_and_decode_streams_as_asked(pair, 
         assert reply.status_code == 200
         assert reply.headers["content-type"].startswith("text/event-stream")
         text = reply.read().decode()
-    to_prefill = prefill.received[0].body
+    to_prefill = arrived(prefill, 1)[0].body
     assert to_prefill["max_tokens"] == 1 and to_prefill["max_completion_tokens"] == 1
     assert to_prefill["stream"] is False and "stream_options" not in to_prefill and "min_tokens" not in to_prefill
     assert decode.received[0].body["stream_options"] == {"include_usage": True}
@@ -214,7 +220,7 @@ def test_instances_are_used_in_turn(upstreams, start_router) -> None:
     router = start_router([p0.instance, p1.instance], [d0.instance, d1.instance])
     for _ in range(4):
         assert httpx.post(router.url + "/v1/completions", json=BODY, timeout=5).status_code == 200
-    assert [len(f.received) for f in (p0, p1, d0, d1)] == [2, 2, 2, 2]
+    assert [len(arrived(f, 2)) for f in (p0, p1, d0, d1)] == [2, 2, 2, 2]
     assert {r.body["kv_transfer_params"]["kvstage_peer"] for r in d1.received} == {"P1"}
 
 
@@ -258,7 +264,7 @@ def test_openai_client_through_the_router(pair, start_router) -> None:
     assert completion.choices[0].text == f"D0 answers room {decode.received[0].room}"
     stream = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], stream=True)
     assert "".join(c.choices[0].delta.content or "" for c in stream) == "t0 t1 t2 "
-    assert decode.received[1].body["stream"] is True and prefill.received[1].body["stream"] is False
+    assert decode.received[1].body["stream"] is True and arrived(prefill, 2)[1].body["stream"] is False
 
 
 def test_model_list_from_a_dead_decode_is_a_503(upstreams, start_router) -> None:
@@ -280,7 +286,7 @@ def test_a_tp_size_is_looked_up_again_and_kept_while_the_bootstrap_is_down(pair,
     bootstrap.close()
     time.sleep(0.3)
     assert httpx.post(router.url + "/v1/completions", json=BODY, timeout=10).status_code == 200
-    assert [r.body["kv_transfer_params"]["kvstage_peer_tp"] for r in prefill.received] == [1, 2, 2]
+    assert [r.body["kv_transfer_params"]["kvstage_peer_tp"] for r in arrived(prefill, 3)] == [1, 2, 2]
 
 
 def test_client_gone_while_sending_its_body_reaches_no_upstream(pair, start_router) -> None:
@@ -294,3 +300,20 @@ def test_client_gone_while_sending_its_body_reaches_no_upstream(pair, start_rout
     wait_until(lambda: router.metric("kvstage_router_requests_total", **outcome) == 1, "the request to end")
     assert router.metric("kvstage_router_in_flight_requests") == 0
     assert not prefill.received and not decode.received
+
+
+def test_with_the_secret_the_router_reads_a_secured_bootstrap_and_without_it_says_it_was_refused(
+    pair, start_router
+) -> None:
+    prefill, decode = pair
+    secret = b"router-tests-shared-secret"
+    with BootstrapServer(secret=secret) as secured:
+        register_instances(secured.address, secret)
+        trusted = start_router([prefill.instance], [decode.instance], bootstrap=secured.address, secret=secret)
+        assert httpx.post(trusted.url + "/v1/completions", json=BODY, timeout=10).status_code == 200
+        assert decode.received[0].body["kv_transfer_params"]["kvstage_peer_tp"] == PREFILL_TP
+        stranger = start_router([prefill.instance], [decode.instance], bootstrap=secured.address)
+        reply = httpx.post(stranger.url + "/v1/completions", json=BODY, timeout=10)
+    assert reply.status_code == 503
+    error = reply.json()["error"]
+    assert error["reason"] == "bootstrap" and "shared secret" in error["message"]

@@ -68,6 +68,7 @@ class RouterConfig:
     health_timeout_s: float = 2.0
     bootstrap_timeout_s: float = 2.0
     tp_refresh_s: float = 30.0  # how often an instance's TP size is looked up again
+    secret: bytes | None = None  # the deployment's shared secret, for the bootstrap lookups
 
 
 class _BadBody(Exception):
@@ -200,7 +201,9 @@ class Router:
         self.metrics = RouterMetrics()
         self._prefill = RoundRobin(config.prefill)
         self._decode = RoundRobin(config.decode)
-        self.tp = TPDirectory(config.bootstrap, timeout_s=config.bootstrap_timeout_s, refresh_s=config.tp_refresh_s)
+        self.tp = TPDirectory(
+            config.bootstrap, timeout_s=config.bootstrap_timeout_s, refresh_s=config.tp_refresh_s, secret=config.secret
+        )
         upstreams = len(config.prefill) + len(config.decode)
         self._client = httpx.AsyncClient(
             timeout=httpx.Timeout(
@@ -246,7 +249,7 @@ class Router:
         try:
             decode_tp = await self.tp.tp_size(decode)
         except InstanceUnavailable as exc:
-            failure = UpstreamFailure(decode, "unregistered", 503, str(exc))
+            failure = UpstreamFailure(decode, exc.reason, 503, str(exc))
             self.upstream_failed(failure, "decode unavailable")
             exchange.finish("decode_unavailable", cancel_prefill=True)
             return _failure_response(failure)
@@ -254,7 +257,7 @@ class Router:
         try:
             prefill_tp = await self.tp.tp_size(prefill)
         except InstanceUnavailable as exc:
-            self.upstream_failed(UpstreamFailure(prefill, "unregistered", 503, str(exc)), "prefill skipped")
+            self.upstream_failed(UpstreamFailure(prefill, exc.reason, 503, str(exc)), "prefill skipped")
             to_decode = decode_body(body, room=None, prefill=None, prefill_tp=0)
         else:
             to_prefill = prefill_body(body, chat=chat, room=room, decode=decode, decode_tp=decode_tp)
@@ -381,7 +384,7 @@ class Router:
         try:
             state["tp_size"] = await self.tp.tp_size(instance)
         except InstanceUnavailable as exc:
-            return {**state, "up": False, "reason": f"unregistered: {exc}"}
+            return {**state, "up": False, "reason": f"{exc.reason}: {exc}"}
         try:
             response = await self._client.get(instance.url + "/health", timeout=self.config.health_timeout_s)
         except httpx.HTTPError as exc:

@@ -65,22 +65,33 @@ class RoundRobin:
 
 
 class InstanceUnavailable(KVStageError):
-    """An instance's TP size could not be looked up (not registered, or the bootstrap did not answer)."""
+    """An instance's TP size could not be looked up: `reason` is "unregistered" (the bootstrap has no record of it)
+    or "bootstrap" (the bootstrap did not answer, or refused the lookup)."""
+
+    def __init__(self, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 class TPDirectory:
     """TP size of each instance, from the bootstrap, cached; lookups run on one worker thread."""
 
     def __init__(
-        self, bootstrap: str, *, timeout_s: float = 2.0, retry_s: float = 1.0, refresh_s: float = 30.0
+        self,
+        bootstrap: str,
+        *,
+        timeout_s: float = 2.0,
+        retry_s: float = 1.0,
+        refresh_s: float = 30.0,
+        secret: bytes | None = None,
     ) -> None:
         self.bootstrap = bootstrap
-        self._client = BootstrapClient(bootstrap, timeout_s=timeout_s)
+        self._client = BootstrapClient(bootstrap, timeout_s=timeout_s, secret=secret)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvstage-router-bootstrap")
         self._retry_s = retry_s
         self._refresh_s = refresh_s
         self._tp: dict[Instance, tuple[int, float]] = {}  # TP size, when it is to be looked up again
-        self._failed: dict[Instance, tuple[float, str]] = {}  # when to try again, why it failed
+        self._failed: dict[Instance, tuple[float, InstanceUnavailable]] = {}  # when to try again, why it failed
 
     async def tp_size(self, instance: Instance) -> int:
         """The instance's TP size; `InstanceUnavailable` with the reason when it was never found.
@@ -94,13 +105,13 @@ class TPDirectory:
             return known[0]
         failed = self._failed.get(instance)
         if known is None and failed is not None and now < failed[0]:
-            raise InstanceUnavailable(failed[1])
+            raise failed[1]
         loop = asyncio.get_running_loop()
         try:
             tp = await loop.run_in_executor(self._executor, self._lookup, instance)
         except InstanceUnavailable as exc:
             if known is None:
-                self._failed[instance] = (time.monotonic() + self._retry_s, str(exc))
+                self._failed[instance] = (time.monotonic() + self._retry_s, exc)
                 raise
             log.warning("%s: keeping TP size %d: %s", instance.describe(), known[0], exc)
             tp = known[0]
@@ -114,9 +125,9 @@ class TPDirectory:
         try:
             records = self._client.lookup_instance(instance.name, instance.role)
         except KVStageError as exc:
-            raise InstanceUnavailable(f"bootstrap lookup failed: {exc}") from exc
+            raise InstanceUnavailable(f"bootstrap lookup failed: {exc}", "bootstrap") from exc
         if not records:
-            raise InstanceUnavailable(f"not registered with the bootstrap {self.bootstrap}")
+            raise InstanceUnavailable(f"not registered with the bootstrap {self.bootstrap}", "unregistered")
         return records[0].tp_size
 
     def close(self) -> None:

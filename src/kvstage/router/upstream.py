@@ -6,8 +6,8 @@ Owns:
   "Router"): prefill gets one token, no streaming and the decode peer; decode gets the body unchanged plus the
   prefill peer. A client's own `kv_transfer_params` are replaced: clients never steer rooms;
 - `UpstreamFailure`: one failed upstream request, with the instance, a short reason from a fixed vocabulary
-  (`connect`, `timeout`, `protocol`, `http_5xx`, `http_4xx`, `unregistered`; the router adds `internal` for a
-  prefill request that raised, a bug) and the HTTP status the client gets;
+  (`connect`, `timeout`, `protocol`, `http_5xx`, `http_4xx`, and from the TP lookup `unregistered` and
+  `bootstrap`; the router adds `internal` for a prefill request that raised, a bug) and the HTTP status the client gets;
 - `failure_from_exception` / `failure_from_response`: httpx errors and upstream error replies as `UpstreamFailure`;
 - `read_bounded`: an upstream body read up to a byte limit (error messages are never buffered without bound).
 
