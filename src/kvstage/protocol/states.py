@@ -31,7 +31,15 @@ S = TypeVar("S", bound=enum.Enum)
 T = TypeVar("T", bound=enum.Enum)
 
 
-class DecodeRoomState(enum.Enum):
+class _Enum(enum.Enum):
+    """An Enum hashed by identity, in C: the tables look (state, trigger) up on most events, and Enum's own
+    `__hash__` is a Python call. Members are singletons compared by identity, so the two hashes agree on
+    equality."""
+
+    __hash__ = object.__hash__
+
+
+class DecodeRoomState(_Enum):
     NONE = "(none)"  # created; about to be registered
     ACTIVE = "active"
     FENCING = "fencing"  # failed; waiting for the FenceScatter completion
@@ -39,7 +47,7 @@ class DecodeRoomState(enum.Enum):
     FORGOTTEN = "(forgotten)"
 
 
-class PrefillRoomState(enum.Enum):
+class PrefillRoomState(_Enum):
     NONE = "(none)"  # created by AttachRoom
     ACTIVE = "active"
     DRAINING = "draining"  # failed; waiting for in-flight writes to complete
@@ -47,7 +55,7 @@ class PrefillRoomState(enum.Enum):
     FORGOTTEN = "(forgotten)"
 
 
-class ChunkState(enum.Enum):
+class ChunkState(_Enum):
     """One chunk of one link (a room towards one decode rank) on a prefill rank."""
 
     NONE = "(none)"
@@ -58,7 +66,7 @@ class ChunkState(enum.Enum):
     FORGOTTEN = "(forgotten)"  # acknowledged, and dropped from the link
 
 
-class DecodeTrigger(enum.Enum):
+class DecodeTrigger(_Enum):
     EXPECT = enum.auto()
     GRANT = enum.auto()
     CHUNK_READY = enum.auto()
@@ -72,7 +80,7 @@ class DecodeTrigger(enum.Enum):
     FORGET = enum.auto()
 
 
-class PrefillTrigger(enum.Enum):
+class PrefillTrigger(_Enum):
     ATTACH_NOTHING = enum.auto()
     ATTACH = enum.auto()
     METADATA = enum.auto()
@@ -86,7 +94,7 @@ class PrefillTrigger(enum.Enum):
     FORGET = enum.auto()
 
 
-class ChunkTrigger(enum.Enum):
+class ChunkTrigger(_Enum):
     REQUEST = enum.auto()
     GRANT = enum.auto()
     REFUSED = enum.auto()
