@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 from conftest import peer_record
+from kvstage.errors import TransportError
 from kvstage.transport.bootstrap import BootstrapClient, BootstrapServer
 
 KVSTAGE = [sys.executable, "-c", "from kvstage.cli import main; main()"]
@@ -89,18 +90,32 @@ def test_bootstrap_on_loopback_serves_until_sigterm(services: list[_Service]) ->
     assert service.stop(signal.SIGTERM) == 0
 
 
-def test_bootstrap_open_bind_with_a_secret_or_insecure_starts(services: list[_Service], tmp_path: Path) -> None:
+def test_bootstrap_open_bind_with_a_secret_serves_only_under_it(services: list[_Service], tmp_path: Path) -> None:
     secret = tmp_path / "secret"
     secret.write_text("a-shared-secret-of-32-characters\n")
     with_file = _Service("bootstrap", "--host", "0.0.0.0", "--port", "0", "--secret-file", str(secret))
     services.append(with_file)
-    with_file.wait_for_line(r"bootstrap listening on tcp://0\.0\.0\.0:\d+")
+    port = with_file.wait_for_line(r"bootstrap listening on tcp://0\.0\.0\.0:(\d+)").group(1)
+    trusted = BootstrapClient(f"tcp://127.0.0.1:{port}", secret=b"a-shared-secret-of-32-characters")
+    trusted.register(peer_record("P0", "prefill", 2, 0))
+    assert len(trusted.lookup_instance("P0", "prefill")) == 1
+    trusted.close()
+    stranger = BootstrapClient(f"tcp://127.0.0.1:{port}", timeout_s=2.0)
+    with pytest.raises(TransportError, match="shared secret"):
+        stranger.lookup_instance("P0", "prefill")
+    stranger.close()
     assert with_file.stop(signal.SIGINT) == 0
+
+
+def test_bootstrap_open_bind_under_insecure_starts_with_a_warning(services: list[_Service]) -> None:
     insecure = _Service("bootstrap", "--host", "0.0.0.0", "--port", "0", "--insecure")
     services.append(insecure)
     insecure.wait_for_line(r"WARNING .*without a secret \(--insecure\)")
     insecure.wait_for_line(r"bootstrap listening on")
     assert insecure.stop(signal.SIGTERM) == 0
+
+
+def test_a_secret_shorter_than_16_bytes_is_refused(tmp_path: Path) -> None:
     short = tmp_path / "short"
     short.write_text("s3cret")
     refused = _run("bootstrap", "--secret-file", str(short))
