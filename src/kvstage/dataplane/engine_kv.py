@@ -89,8 +89,8 @@ class EngineKV(PagedKV):
             _check_view(view, shape, views[0].device, layout)
         self.format = KVCacheFormat(fmt)
         dtype = torch_dtype(layout.dtype)
-        self._keys = tuple(view.view(dtype) for view in keys)
-        self._values = tuple(view.view(dtype) for view in values)
+        self._keys = tuple(_canonical(view.view(dtype)) for view in keys)
+        self._values = tuple(_canonical(view.view(dtype)) for view in values)
         self.geometry = PageGeometry(layout, shape[2], shape[0])
         self.device = views[0].device
         self.max_word_bytes = _max_word(views, layout.head_bytes)
@@ -196,6 +196,16 @@ def _check_view(view: torch.Tensor, shape: torch.Size, device: torch.device, lay
     same_bits = not view.dtype.is_floating_point and view.element_size() == layout.itemsize
     if view.dtype != dtype and not same_bits:
         raise ConfigError(f"KV tensor of {view.dtype} for a layout of {layout.dtype}")
+
+
+def _canonical(view: torch.Tensor) -> torch.Tensor:
+    """`view` with each size-1 axis given the stride it would have if contiguous over the axes after it (any stride
+    addresses the same bytes there), so views of one layout compare equal whatever produced them."""
+    strides = list(view.stride())
+    for axis in reversed(range(view.dim())):
+        if view.shape[axis] == 1:
+            strides[axis] = strides[axis + 1] * view.shape[axis + 1] if axis + 1 < view.dim() else 1
+    return view.as_strided(view.shape, strides, view.storage_offset())
 
 
 def _max_word(views: Sequence[torch.Tensor], head_bytes: int) -> int:
