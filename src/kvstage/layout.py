@@ -293,6 +293,11 @@ class ChunkGrid:
         count = self.num_chunks(num_tokens, prefix_tokens)
         if not 0 <= index < count:
             raise InvalidRequest(f"chunk index {index} is outside 0..{count - 1}")
+        return self.at(index, num_tokens, prefix_tokens)
+
+    def at(self, index: int, num_tokens: int, prefix_tokens: int = 0) -> Chunk:
+        """`chunk` without the checks, for a caller that has checked the room's tokens and the index (an
+        endpoint's hot path: the room was checked when it was registered)."""
         start = prefix_tokens + index * self.chunk_tokens
         return Chunk(index, start, min(start + self.chunk_tokens, num_tokens))
 
@@ -301,10 +306,8 @@ class ChunkGrid:
         return tuple(self.iter_chunks(num_tokens, prefix_tokens))
 
     def iter_chunks(self, num_tokens: int, prefix_tokens: int = 0) -> Iterator[Chunk]:
-        count = self.num_chunks(num_tokens, prefix_tokens)
-        for index in range(count):
-            start = prefix_tokens + index * self.chunk_tokens
-            yield Chunk(index, start, min(start + self.chunk_tokens, num_tokens))
+        for index in range(self.num_chunks(num_tokens, prefix_tokens)):
+            yield self.at(index, num_tokens, prefix_tokens)
 
     def _check(self, num_tokens: int, prefix_tokens: int) -> None:
         if prefix_tokens < 0 or prefix_tokens % self.page_size:

@@ -202,6 +202,7 @@ def test_chunk_grid_starts_at_the_prefix_and_the_last_chunk_may_be_short() -> No
     assert [(c.index, c.start, c.end) for c in chunks] == [(0, 16, 48), (1, 48, 80), (2, 80, 100)]
     assert grid.num_chunks(100, 16) == 3
     assert grid.chunk(2, 100, 16).num_tokens == 20
+    assert [grid.at(i, 100, 16) for i in range(3)] == list(chunks)  # the unchecked form the endpoints use
 
 
 def test_prefix_hit_never_makes_a_chunk_longer_than_one_grid_slot() -> None:

@@ -349,7 +349,7 @@ class DecodeEndpoint(EndpointCore):
         token = self._new_token()
         self._tokens[token] = (r.room, index)
         r.scatters_in_flight += 1
-        span = self._grid.chunk(index, r.num_tokens, r.prefix_tokens)
+        span = self._grid.at(index, r.num_tokens, r.prefix_tokens)
         self._out.append(Scatter(token, r.room, index, chunk.region, r.plan(index), span.start, span.num_tokens))
 
     def _chunk_done(self, r: _Room, chunk: _Chunk) -> None:

@@ -251,9 +251,7 @@ class PrefillEndpoint(EndpointCore):
             self._request("stage", link.peer_id, StagingRequest(room=r.room, chunk=index), index)
         for index, chunk in list(link.chunks.items()):
             if PREFILL_CHUNK.can(chunk, _C.WRITE):
-                self._try_write(r, link, index, chunk)
-            if not PREFILL_ROOM.can(r, _T.WRITE):
-                return
+                self._try_write(r, link, index, chunk)  # never fails the room
 
     def _try_write(self, r: WriterRoom, link: Link, index: int, chunk: WriterChunk) -> None:
         """Write a granted chunk once its KV is computed and (staged) its region is ready; else park it (R9)."""

@@ -43,8 +43,8 @@ class Link:
     acked: int = 0
 
     def span(self, index: int) -> Chunk:
-        """Chunk `index`: its tokens of the room."""
-        return self.grid.chunk(index, self.meta.num_tokens, self.meta.prefix_tokens)
+        """Chunk `index` (< num_chunks): its tokens of the room."""
+        return self.grid.at(index, self.meta.num_tokens, self.meta.prefix_tokens)
 
     def holds_grants(self) -> bool:
         """Whether the decode peer ever granted this link anything (a chunk past REQUESTED, or acknowledged)."""
