@@ -157,3 +157,17 @@ def test_an_agent_refuses_engine_kv_of_another_layout():
                          chunk_tokens=CHUNK, ring_bytes=RING)  # fmt: skip
     with pytest.raises(ConfigError, match="differs from the agent's layout"):
         DecodeAgent(config, engine.kv)
+
+
+def test_decode_on_engine_kv_refuses_pages_outside_the_engines_tensors_at_once_and_keeps_serving(make_cluster):
+    """The engine vouches for its pages; kvstage still checks their bounds and distinctness, before anything moves."""
+    cluster = make_cluster(2, 1)
+    decode = cluster.decode[0]
+    peers = (peer_id("P", 0), peer_id("P", 1))
+    decode.expect_room(5, peers, 32, 0, (0, PAGES), timeout_s=20)  # page PAGES does not exist
+    decode.expect_room(6, peers, 32, 0, (3, 3), timeout_s=20)  # a page twice
+    outcomes = _wait(decode, 2)
+    assert "outside" in outcomes[5].reason and outcomes[5].reason.startswith("invalid request")
+    assert "repeat" in outcomes[6].reason and outcomes[6].pages == (3, 3)
+    assert decode.metrics.value("kvstage_room_failures_total", reason="invalid request") == 2
+    assert decode.wait_quiescent(5)
