@@ -33,6 +33,7 @@ import triton.language as tl  # type: ignore[import-untyped,import-not-found,unu
 from kvstage.dataplane.engine_kv import KVStore
 from kvstage.dataplane.pool import KVPool
 from kvstage.errors import InvalidRequest
+from kvstage.layout import ceil_div
 
 #: Bytes one program copies by default, and its warps (tuned on an H200: docs/benchmarks.md).
 TILE_BYTES = 16384
@@ -271,7 +272,7 @@ def _run(
             _COMPILED[key] = (compiled, config.block_tokens, constexprs)
     else:
         compiled, block_tokens, constexprs = entry
-        compiled[(-(-args[5] // block_tokens), kv.num_views, 1)](*args, *constexprs)
+        compiled[(ceil_div(args[5], block_tokens), kv.num_views, 1)](*args, *constexprs)
 
 
 def _pointer_spec(tensor: torch.Tensor) -> tuple[object, ...]:

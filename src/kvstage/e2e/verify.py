@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvstage.layout import pages_for
+
 
 @dataclass(frozen=True, slots=True)
 class RoomCheck:
@@ -53,7 +55,7 @@ def check_rooms(folder: Path, *, num_layers: int, num_kv_heads: int) -> RoomChec
     verified: set[int] = set()
     mismatched: dict[int, str] = {}
     for room, digests in got.items():
-        pages = range(first_page[room], -(-num_tokens[room] // page_size))
+        pages = range(first_page[room], pages_for(num_tokens[room], page_size))
         want = {
             f"{layer}.{kv}.{head}.{page}"
             for layer in range(num_layers)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from kvstage.errors import ConfigError
+from kvstage.layout import ceil_div
 
 BACKENDS = ("local", "mooncake", "nixl")
 _KINDS: dict[str, type] = {"str": str, "int": int, "float": float}
@@ -85,4 +86,4 @@ class ConnectorSettings:
                     f"kvstage: chunk_tokens={self.chunk_tokens} must be a multiple of vLLM's block size {block_size}"
                 )
             return self.chunk_tokens
-        return block_size * max(1, -(-256 // block_size))
+        return block_size * max(1, ceil_div(256, block_size))
