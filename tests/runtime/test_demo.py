@@ -97,7 +97,9 @@ def test_demo_reports_failure_when_rooms_do_not_land() -> None:
 
 def test_kvstage_demo_synthetic_says_what_it_runs_and_exits_zero() -> None:
     script = "from kvstage.cli import main; main()"
-    done = subprocess.run([sys.executable, "-c", script, "demo", "--synthetic"], capture_output=True, text=True, timeout=240)
+    done = subprocess.run(
+        [sys.executable, "-c", script, "demo", "--synthetic"], capture_output=True, text=True, timeout=240
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     first = " ".join(done.stdout.split())
     assert "end-to-end handoff through the real agents" in first

@@ -2,7 +2,7 @@
 different TP sizes, with kvstage moving the KV between them; every request verified twice.
 
 Owns `DemoOptions`, `DemoReport` and `run_demo`, which:
-1. builds the tiny local model once (kvstage.e2e.model) and starts, on the loopback address, a bootstrap service,
+1. builds the tiny local model once (kvstage.e2e.model) and starts, on the loopback address, `kvstage bootstrap`,
    a vLLM prefill server (TP = prefill_tp), a vLLM decode server (TP = decode_tp), both with `KVStageConnector`,
    and the `kvstage router` in front of them;
 2. runs every prompt once on the decode server alone (a single-instance vLLM run: the reference), then clears
@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import random
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -35,9 +34,8 @@ from pathlib import Path
 import httpx
 
 from kvstage.e2e.model import TinyModelSpec, build_tiny_model
-from kvstage.e2e.servers import ManagedProcess, VLLMServerSpec, free_port, start_vllm
+from kvstage.e2e.servers import VLLMServerSpec, free_port, start_bootstrap, start_router, start_vllm
 from kvstage.e2e.verify import check_rooms, decode_rooms, read_counters
-from kvstage.transport.bootstrap import BootstrapServer
 
 #: Seconds a vLLM server may take to come up on a 2-core machine (about 55 s at TP 1, more at TP 2).
 START_TIMEOUT_S = 420.0
@@ -124,15 +122,18 @@ def run_demo(options: DemoOptions = DemoOptions(), *, quiet: bool = False) -> De
         spec = TinyModelSpec()
         with stage("building the tiny model (cached after the first run)"):
             model = build_tiny_model(spec)
-        bootstrap = stack.enter_context(BootstrapServer(f"tcp://127.0.0.1:{free_port()}").start())
-        servers = _server_specs(options, model, bootstrap.address, reports)
-        procs = [start_vllm(s, work / "logs") for s in servers]
+        logs = work / "logs"
+        bootstrap = start_bootstrap(logs)
+        stack.callback(bootstrap.stop)
+        bootstrap.wait_ready(60.0)
+        servers = _server_specs(options, model, bootstrap.url, reports)
+        procs = [start_vllm(s, logs) for s in servers]
         for proc in procs:
             stack.callback(proc.stop)
         with stage(f"starting vLLM prefill (TP={options.prefill_tp}) and decode (TP={options.decode_tp})"):
             for proc in procs:
                 proc.wait_ready(START_TIMEOUT_S)
-        router = _start_router(servers, bootstrap.address, work / "logs")
+        router = start_router(bootstrap.url, [servers[0]], [servers[1]], logs / "router.log")
         stack.callback(router.stop)
         with stage("starting the router"):
             router.wait_ready(60.0)
@@ -156,14 +157,6 @@ def _server_specs(options: DemoOptions, model: Path, bootstrap: str, reports: Pa
     prefill = VLLMServerSpec("prefill", "prefill", options.prefill_tp, free_port(), **common)  # type: ignore[arg-type]
     decode = VLLMServerSpec("decode", "decode", options.decode_tp, free_port(), dev_mode=True, **common)  # type: ignore[arg-type]
     return prefill, decode
-
-
-def _start_router(servers: tuple[VLLMServerSpec, ...], bootstrap: str, logs: Path) -> ManagedProcess:
-    port = free_port()
-    argv = [sys.executable, "-m", "kvstage", "router", "--bootstrap", bootstrap, "--port", str(port)]
-    for s in servers:
-        argv += [f"--{s.role}", f"{s.instance}={s.url}"]
-    return ManagedProcess("router", argv, logs / "router.log", f"http://127.0.0.1:{port}").start()
 
 
 def _run_all(url: str, prompts: list[list[int]], options: DemoOptions, *, concurrency: int) -> list[_Answer]:

@@ -1,8 +1,9 @@
 """Processes of an end-to-end run: vLLM servers with the kvstage connector, and the kvstage router.
 
 Owns `VLLMServerSpec` (one vLLM OpenAI server: its role, instance name, TP size, port and kvstage settings),
-`ManagedProcess` (a child process in its own process group, with its log file, readiness wait, graceful stop and
-kill -9 of the whole group), and the functions that start each kind. Nothing here knows about requests.
+`ManagedProcess` (a child process in its own process group, with its log file, readiness probe, graceful stop and
+kill -9 of the whole group), and the functions that start each kind: vLLM, `kvstage bootstrap` and
+`kvstage router`, each in a process of its own as a deployment runs them. Nothing here knows about requests.
 
 Invariants: every process started here is in its own session, so stopping or killing it takes its workers with
 it; a process that exits before it is ready raises at once with the tail of its log; `stop` always reaps.
@@ -19,12 +20,14 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 
-from kvstage.errors import KVStageError
+from kvstage.errors import KVStageError, TransportError
+from kvstage.transport.bootstrap import BootstrapClient
 
 #: Tokens a request may span (prompt + completion) on the tiny model's servers.
 MAX_MODEL_LEN = 2048
@@ -42,14 +45,44 @@ def free_port() -> int:
         return port
 
 
+def http_ready(url: str) -> Callable[[], bool]:
+    """Readiness of an HTTP service: its /health answers 200."""
+
+    def probe() -> bool:
+        try:
+            return httpx.get(f"{url}/health", timeout=2.0).status_code == 200
+        except httpx.TransportError:
+            return False  # not listening yet
+
+    return probe
+
+
+def bootstrap_ready(address: str) -> Callable[[], bool]:
+    """Readiness of a bootstrap service: it answers a lookup."""
+
+    def probe() -> bool:
+        client = BootstrapClient(address, timeout_s=2.0)
+        try:
+            client.lookup([])
+        except TransportError:
+            return False
+        finally:
+            client.close()
+        return True
+
+    return probe
+
+
 @dataclass
 class ManagedProcess:
-    """A child process in its own process group, logging to `log_path`, ready when `url` + /health answers."""
+    """A child process in its own process group, logging to `log_path`, ready when `ready()` says so.
+    `url` is where it serves (an HTTP URL, or the bootstrap's tcp:// address)."""
 
     name: str
     argv: list[str]
     log_path: Path
     url: str
+    ready: Callable[[], bool]
     env: dict[str, str] = field(default_factory=dict)
     proc: subprocess.Popen[bytes] | None = None
 
@@ -66,11 +99,8 @@ class ManagedProcess:
         while time.monotonic() < deadline:
             if self.proc is None or self.proc.poll() is not None:
                 raise ProcessFailed(f"{self.name} exited before it was ready; its log ends:\n{self.log_tail()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass  # not listening yet
+            if self.ready():
+                return
             time.sleep(0.5)
         raise ProcessFailed(f"{self.name} was not ready within {timeout_s:.0f} s; its log ends:\n{self.log_tail()}")
 
@@ -181,4 +211,25 @@ class VLLMServerSpec:
 
 def start_vllm(spec: VLLMServerSpec, log_dir: Path) -> ManagedProcess:
     name = f"{spec.role} {spec.instance} (TP={spec.tp})"
-    return ManagedProcess(name, spec.argv(), log_dir / f"{spec.instance}.log", spec.url, spec.env()).start()
+    log = log_dir / f"{spec.instance}.log"
+    return ManagedProcess(name, spec.argv(), log, spec.url, http_ready(spec.url), spec.env()).start()
+
+
+def start_bootstrap(log_dir: Path) -> ManagedProcess:
+    """`kvstage bootstrap` on a free loopback port, in its own process (as a deployment runs it)."""
+    port = free_port()
+    address = f"tcp://127.0.0.1:{port}"
+    argv = [sys.executable, "-m", "kvstage", "bootstrap", "--port", str(port)]
+    return ManagedProcess("bootstrap", argv, log_dir / "bootstrap.log", address, bootstrap_ready(address)).start()
+
+
+def start_router(
+    bootstrap: str, prefill: list[VLLMServerSpec], decode: list[VLLMServerSpec], log_path: Path
+) -> ManagedProcess:
+    """`kvstage router` on a free loopback port, in front of the given instances."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    argv = [sys.executable, "-m", "kvstage", "router", "--bootstrap", bootstrap, "--port", str(port)]
+    for spec in [*prefill, *decode]:
+        argv += [f"--{spec.role}", f"{spec.instance}={spec.url}"]
+    return ManagedProcess("router", argv, log_path, url, http_ready(url)).start()

@@ -18,6 +18,7 @@ Select it with `--kv-transfer-config '{"kv_connector": "KVStageConnector", "kv_c
 from __future__ import annotations
 
 import logging
+import os
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -47,11 +48,25 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvstage.vllm")
 
 
+def _log_to_stderr() -> None:
+    """kvstage's loggers write to stderr inside vLLM's processes (vLLM configures only its own logger), at
+    `$KVSTAGE_LOG_LEVEL` (INFO by default), unless the application configured them already."""
+    root = logging.getLogger("kvstage")
+    if root.handlers or root.level != logging.NOTSET:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("kvstage %(levelname)s %(asctime)s [%(name)s] %(message)s"))
+    root.addHandler(handler)
+    root.setLevel(os.environ.get("KVSTAGE_LOG_LEVEL", "INFO").upper())
+    root.propagate = False
+
+
 class KVStageConnector(KVConnectorBase_V1):
     """See the module docstring."""
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        _log_to_stderr()
         transfer = self._kv_transfer_config
         if transfer.kv_role not in ("kv_producer", "kv_consumer"):
             raise ConfigError(

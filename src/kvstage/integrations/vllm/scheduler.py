@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvstage.errors import ConfigError
 from kvstage.integrations.vllm.metadata import AbortRoom, ComputeStep, ExpectRoom, StepMetadata
+from kvstage.layout import pages_for
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
@@ -87,6 +88,7 @@ class SchedulerSide:
         self._tried: set[str] = set()  # decode: requests that had their room (at most one each, until they finish)
         self._prefilling: dict[str, _PrefillRequest] = {}  # prefill: requests being computed
         self._sending: dict[str, int] = {}  # prefill: finished requests whose blocks kvstage still reads
+        self._preempted: set[str] = set()  # prefill: requests whose room was aborted by a preemption
 
     def bind_kv_cache_manager(self, manager: KVCacheManager) -> None:
         self._kv_cache_manager = manager
@@ -104,7 +106,7 @@ class SchedulerSide:
         if params is None:
             return
         if self._producer:
-            if request.request_id not in self._prefilling:
+            if request.request_id not in self._prefilling and request.request_id not in self._preempted:
                 self._prefilling[request.request_id] = _PrefillRequest(params, request.num_prompt_tokens)
             return
         if num_external_tokens <= 0 or request.request_id in self._tried:
@@ -121,7 +123,7 @@ class SchedulerSide:
                 params.peer_tp,
                 num_tokens,
                 num_tokens - num_external_tokens,
-                block_ids[: -(-num_tokens // self._block_size)],
+                block_ids[: pages_for(num_tokens, self._block_size)],
             )
         )
 
@@ -137,6 +139,7 @@ class SchedulerSide:
         req_id = request.request_id
         aborted = request.status.name == "FINISHED_ABORTED"
         self._tried.discard(req_id)
+        self._preempted.discard(req_id)
         if params := self._waiting.pop(req_id, None):  # decode, still waiting: vLLM holds the blocks for us
             self._next.abort.append(AbortRoom(req_id, params.room))
             return False, None
@@ -162,6 +165,13 @@ class SchedulerSide:
     # ---- prefill ------------------------------------------------------------------------------------------
 
     def _add_compute_steps(self, out: SchedulerOutput) -> None:
+        for req_id in out.preempted_req_ids or ():
+            # vLLM frees a preempted request's blocks: its room ends now (decode recomputes), and the request,
+            # when it runs again, is computed without kvstage.
+            prefill = self._prefilling.pop(req_id, None)
+            if prefill is not None and prefill.attached:
+                self._next.abort.append(AbortRoom(req_id, prefill.params.room))
+                self._preempted.add(req_id)
         computed = {r.req_id: r.num_computed_tokens for r in out.scheduled_new_reqs}
         cached = out.scheduled_cached_reqs
         computed.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
@@ -186,4 +196,4 @@ class SchedulerSide:
     def _blocks_of(self, req_id: str, end_tokens: int) -> tuple[int, ...]:
         assert self._kv_cache_manager is not None, "vLLM binds its KV cache manager before the first step"
         blocks = self._kv_cache_manager.get_block_ids(req_id)[0]
-        return tuple(blocks[: -(-end_tokens // self._block_size)])
+        return tuple(blocks[: pages_for(end_tokens, self._block_size)])

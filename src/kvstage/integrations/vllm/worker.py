@@ -156,6 +156,7 @@ class WorkerSide:
             self._expect(agent, expect, timeout)
         for step in meta.compute:
             assert isinstance(agent, PrefillAgent)
+            log.debug("room %d: computing tokens up to %d of %d", step.room, step.end_tokens, step.num_tokens)
             if step.first:
                 self._rooms[step.room] = _Room(step.req_id, step.num_tokens, 0, step.blocks)
                 agent.attach_room(step.room, step.num_tokens, step.peer_tp, timeout)
@@ -167,6 +168,9 @@ class WorkerSide:
 
     def _expect(self, agent: DecodeAgent, expect: ExpectRoom, timeout: float) -> None:
         peers = tuple(peer_id(expect.peer, r) for r in range(expect.peer_tp))
+        log.debug(
+            "expect room %d from %s: tokens [%d, %d)", expect.room, peers, expect.prefix_tokens, expect.num_tokens
+        )
         self._rooms[expect.room] = _Room(expect.req_id, expect.num_tokens, expect.prefix_tokens, expect.blocks)
         agent.expect_room(expect.room, peers, expect.num_tokens, expect.prefix_tokens, expect.blocks, timeout)
 
@@ -188,7 +192,8 @@ class WorkerSide:
         results = Results(set(), set(), set())
         if self._agent is None:
             return results
-        for outcome in self._agent.poll():
+        outcomes = self._agent.poll()
+        for outcome in outcomes:
             room = self._rooms.pop(outcome.room, None)
             if room is None:
                 continue
@@ -196,17 +201,21 @@ class WorkerSide:
                 log.warning("kvstage room %d (request %s) failed: %s", outcome.room, room.req_id, outcome.reason)
             if self._producer:
                 self._ended[room.req_id] = outcome.ok
-                continue
-            results.finished_recving.add(room.req_id)
-            if not outcome.ok:
-                results.failed_recving.add(room.req_id)
-            elif self._report is not None:
-                self._record_digests(outcome.room, room)
-            if self._report is not None:
-                self._report.counters(self._agent.metrics.registry)
+            else:
+                self._received(outcome.room, room, outcome.ok, results)
+        if outcomes and self._report is not None:
+            self._report.counters(self._agent.metrics.registry)
         if self._producer:
             self._report_sent(finished_req_ids, results.finished_sending)
         return results
+
+    def _received(self, room_id: int, room: _Room, ok: bool, results: Results) -> None:
+        """Decode: the room ended. vLLM runs the request on (ok) or recomputes its prompt (failed)."""
+        results.finished_recving.add(room.req_id)
+        if not ok:
+            results.failed_recving.add(room.req_id)
+        elif self._report is not None:
+            self._record_digests(room_id, room)
 
     def _report_sent(self, finished_req_ids: set[str], sent: set[str]) -> None:
         """A prefill request is reported sent once its room has ended and vLLM has finished it (vLLM only
