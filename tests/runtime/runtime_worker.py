@@ -10,10 +10,10 @@ room that succeeded. The test compares them: that is the bit-exact check across 
 
 Between phases a worker waits for a file to appear (the test creates it, e.g. after restarting a killed rank).
 A phase with `hold_after_first_chunk` computes only each room's first chunk, leaving the rooms mid-transfer (its
-`marker` file appears once every room's first chunk has landed); with
-`release` too, it schedules every chunk at once (so grants for later chunks are requested and may be held) and
-computes the rest of each open room when the `release` file appears (after the test killed decode, those writes go
-to a dead peer).
+`marker` file appears once its first writes have landed); with
+`release` too, its first rooms also schedule their second chunk (so its grant is requested and held), and it
+computes the rest of each of them when the `release` file appears (after the test killed decode, the write of the
+held grant goes to a dead peer).
 After its last phase a worker waits for quiescence, writes its result JSON, and then stays alive (its peers may
 still need its acknowledgements) until its stdin is closed. On SIGUSR1 it writes the Python stack of every thread
 to its log (the test asks for that when something stalls).
@@ -84,6 +84,11 @@ def head_digests(pool: KVPool, heads: range, pages: list[int], start: int, end: 
     }
 
 
+#: Rooms of a `release` phase that hold a grant for their second chunk (more would fill the small test ring with
+#: grants nobody writes until the release, and the other rooms' first chunks could never be granted).
+RELEASED_ROOMS = 2
+
+
 class Worker:
     def __init__(self, spec: dict) -> None:
         self.spec = spec
@@ -145,6 +150,7 @@ class Worker:
         aborts: list[tuple[float, int]] = []
         hold = phase.get("hold_after_first_chunk", False)
         self.held: dict[int, list[int]] = {}
+        self.landed_at: float | None = None
         while todo or open_rooms:
             while todo and len(open_rooms) < self.spec["concurrency"]:
                 plan = todo.pop()
@@ -182,18 +188,25 @@ class Worker:
         ends = [*range(step, plan.num_tokens, step), plan.num_tokens]
         if hold:  # only the first chunk's KV is ready (until a release): the room stays mid-transfer
             first = min(plan.num_tokens, plan.prefix_tokens + self.spec["chunk_tokens"])
-            if release:
-                self.agent.compute_scheduled(plan.room, plan.num_tokens)  # grants of later chunks are requested
+            scheduled = first
+            if release and first < plan.num_tokens and len(self.held) < RELEASED_ROOMS:
+                scheduled = min(plan.num_tokens, first + self.spec["chunk_tokens"])  # its grant is held
                 self.held[plan.room] = [end for end in ends if end > first]
-            ends = [first]
+            self.agent.compute_scheduled(plan.room, scheduled)
+            self.agent.kv_ready(plan.room, first, tuple(pages))
+            return
         for end in ends:
-            if not (hold and release):
-                self.agent.compute_scheduled(plan.room, end)
+            self.agent.compute_scheduled(plan.room, end)
             self.agent.kv_ready(plan.room, end, tuple(pages))
 
     def first_chunks_landed(self, phase: dict) -> bool:
-        """Every room of `phase` has had a write complete (each room's first chunk is at least one write)."""
-        return self.agent.metrics.value("kvstage_transfer_ops_total") >= phase["rooms"]
+        """True once a write of this rank completed (decode is up and granting), and half a second later (so the
+        first chunks that can get ring space land; the rest of a small ring is held by the other writer's grants)."""
+        if not self.agent.metrics.value("kvstage_transfer_ops_total"):
+            return False
+        if self.landed_at is None:
+            self.landed_at = time.monotonic()
+        return time.monotonic() > self.landed_at + 0.5
 
     def release_held(self, open_rooms: dict[int, tuple[RoomPlan, list[int], float]]) -> None:
         """Compute the rest of every held room that is still open."""

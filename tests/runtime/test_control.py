@@ -218,3 +218,38 @@ def test_forgotten_peer_is_reconnected_on_next_send(harnesses):
     a.channel.forget_peer(b.channel.address)
     a.channel.send(b.channel.address, Ping("a", 2))
     assert b.receive(1) == [Ping("a", 2)]
+
+
+def test_inbound_frames_waiting_for_the_owner_are_bounded_in_bytes_and_the_rest_counted(harnesses):
+    """An owner that bounds its inbox in bytes (`admit`) gets at most that many bytes of frames while it is not
+    reading; the others are dropped as "inbox full" before delivery (issue #15, defect 4)."""
+    waiting: list[int] = []
+    b = harnesses()
+    b.channel._admit = lambda nbytes: sum(waiting) + nbytes <= 4096 and not waiting.append(nbytes)
+    a = harnesses()
+    big = "x" * 1000  # each frame about 1 KB
+    for seq in range(50):
+        a.channel.send(b.channel.address, Ping(big, seq))
+    deadline = time.monotonic() + 10
+    while b.channel.received + b.channel.rejected["inbox full"] < 50 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert b.channel.received == len(waiting) == 4 and sum(waiting) <= 4096
+    assert b.channel.rejected["inbox full"] == 46
+
+
+def test_a_flood_of_bad_frames_is_counted_in_full_but_logged_at_most_once_a_second(harnesses, caplog):
+    b = harnesses(config=ChannelConfig(reject_log_interval_s=60.0))
+    raw = zmq.Context.instance().socket(zmq.DEALER)
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.connect(b.channel.address)
+    try:
+        with caplog.at_level("WARNING", logger="kvstage.transport.control"):
+            for _ in range(500):
+                raw.send(b"\xc1 not msgpack")
+            deadline = time.monotonic() + 10
+            while b.channel.rejected[REJECT_UNDECODABLE] < 500 and time.monotonic() < deadline:
+                time.sleep(0.01)
+    finally:
+        raw.close(linger=0)
+    assert b.channel.rejected[REJECT_UNDECODABLE] == 500
+    assert len([r for r in caplog.records if "rejected an inbound frame" in r.getMessage()]) == 1

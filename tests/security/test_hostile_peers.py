@@ -7,11 +7,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+import msgspec
 import pytest
 from deployment import Caps, Deployment, Stranger, prefill_instance, start_room, wait_outcomes
 
 from kvstage.protocol import Limits
-from kvstage.protocol.messages import Abort, Heartbeat
+from kvstage.protocol.messages import PROTOCOL_VERSION, Abort, Heartbeat, StagingRequest
 from kvstage.runtime.outbox import ParkLimits
 
 
@@ -105,4 +106,29 @@ def test_replies_parked_for_talking_strangers_stay_within_their_caps_and_go_when
         for agent in prefill:
             agent.close()
         stranger.close()
+        deployment.close()
+
+
+def test_chunk_indices_beyond_the_room_or_the_wire_bound_grow_nothing_and_leave_the_room_alone() -> None:
+    """sglang #39764: one unchecked chunk index from the wire grew a list without bound. Here an index past the
+    wire bound is refused by the codec, one within it but past the room's chunks by the endpoint, and the room
+    (whose writer the sender claims to be) goes on to succeed."""
+    deployment = Deployment()
+    writer = Stranger(deployment.decode.channel.address)
+    try:
+        deployment.expect(5, "P")
+        for chunk in (2**16 - 1, 40_000):
+            writer.send("P/0", StagingRequest(room=5, chunk=chunk))
+        for seq, chunk in enumerate((2**16, 2**63 - 1)):  # built by hand: the codec refuses to encode them
+            writer.send_raw(msgspec.msgpack.encode([PROTOCOL_VERSION, "P/0", 1, 0, 10 + seq, None,
+                                                    ["stage_req", 5, chunk]]))  # fmt: skip
+        channel = deployment.decode.channel
+        _wait(lambda: channel.received + channel.rejected["undecodable"] == 4, "all four frames handled")
+        assert channel.rejected["undecodable"] == 2, "indices past the wire bound never decode"
+        refused = lambda: deployment.decode.metrics.value("kvstage_protocol_rejected", why="chunk index out of range")  # noqa: E731
+        _wait(lambda: refused() == 2, "indices past the room's chunks refused by the endpoint")
+        assert deployment.decode.poll() == []
+        _serve_room(deployment, 5, "P")
+    finally:
+        writer.close()
         deployment.close()

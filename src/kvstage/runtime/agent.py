@@ -24,8 +24,9 @@ Invariants:
   to the control channel or comes back as SendFailed, so the endpoint's failure handling always runs;
 - a transport error, a gather/scatter error or an endpoint bug fails (at most) one room with a reason, logged and
   counted; the agent thread never dies because of one room;
-- inbound frames waiting for the agent thread are capped (`max_inbox`); beyond it they are dropped and counted
-  (the protocol retries every request); sends parked for unresolved peers are bounded in peers, count, bytes and
+- inbound frames waiting for the agent thread are capped in count and bytes (`max_inbox`, `max_inbox_bytes`: the
+  channel asks before it hands one over); beyond it they are dropped and counted as "inbox full" (the protocol
+  retries every request); sends parked for unresolved peers are bounded in peers, count, bytes and
   time (`outbox.py`, `AgentConfig.park`);
 - per-peer state goes when the peer goes: once the endpoint no longer tracks a peer (it fell silent past
   `Timing.dead_after_s`: closed, killed or a stranger), the agent releases its record, its control socket, its
@@ -141,6 +142,8 @@ class AgentConfig:
     #: Prefill: writes in flight per decode peer; more wait in order (see PrefillAgent._enqueue_write).
     writes_per_peer: int = 2
     max_inbox: int = 65536
+    #: Frame bytes decoded and waiting for the agent thread (with `max_inbox`: inbound memory is bounded in bytes).
+    max_inbox_bytes: int = 64 * 2**20
     #: Sends parked for peers not resolved yet; `park.ttl_s` also bounds how long the resolver asks for a peer
     #: that never registers.
     park: ParkLimits = field(default_factory=ParkLimits)
@@ -205,6 +208,8 @@ class BaseAgent(ABC):
         self._events: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._inbox_lock = threading.Lock()
         self._inbox = 0
+        self._inbox_sizes: deque[int] = deque()  # frame bytes of each Received queued, in order
+        self._inbox_bytes = 0
         self._outcomes: deque[RoomOutcome] = deque()
         self._work: deque[Any] = deque()
         self._draining = False
@@ -241,6 +246,7 @@ class BaseAgent(ABC):
                 encode=self._codec.encode,
                 decode=self._codec.decode,
                 deliver=self._deliver,
+                admit=self._admit,
                 on_send_failure=lambda address, env, reason: self._events.put(_ChannelFailure(address, env, reason)),
                 on_reject=self.metrics.frame_rejected,
                 config=self.config.channel,
@@ -416,17 +422,19 @@ class BaseAgent(ABC):
             chunk_tokens=self.config.chunk_tokens,
         )
 
-    def _deliver(self, envelope: Envelope) -> None:
-        """Control I/O thread: queue a decoded envelope for the agent thread, within the inbox cap."""
+    def _admit(self, nbytes: int) -> bool:
+        """Control I/O thread: room in the inbox for one more decoded frame of `nbytes`? (If so it is reserved, and
+        the channel delivers that frame next.)"""
         with self._inbox_lock:
-            if self._inbox >= self.config.max_inbox:
-                full = True
-            else:
-                self._inbox += 1
-                full = False
-        if full:
-            self.metrics.frame_rejected("inbox full")
-            return
+            if self._inbox >= self.config.max_inbox or self._inbox_bytes + nbytes > self.config.max_inbox_bytes:
+                return False
+            self._inbox += 1
+            self._inbox_bytes += nbytes
+            self._inbox_sizes.append(nbytes)
+            return True
+
+    def _deliver(self, envelope: Envelope) -> None:
+        """Control I/O thread: queue an admitted envelope for the agent thread."""
         self._events.put(Received(envelope))
 
     def _run(self) -> None:
@@ -497,6 +505,7 @@ class BaseAgent(ABC):
         if isinstance(item, Received):
             with self._inbox_lock:
                 self._inbox -= 1
+                self._inbox_bytes -= self._inbox_sizes.popleft()
             sender = item.envelope.sender
             if sender not in self._records and sender not in self._incompatible:
                 self.resolver.want(sender)
@@ -663,6 +672,9 @@ class BaseAgent(ABC):
 
     def _refresh_snapshot(self) -> None:
         stats = self.endpoint.stats.snapshot()
+        for key, count in stats.items():  # a protocol bound that refused a message (too many peers, rooms, ...)
+            if key.startswith("rejected."):
+                self.metrics.set_protocol_rejected(key.removeprefix("rejected."), count)
         self.metrics.set_rooms("open", len(self.endpoint.open_rooms()))
         self.metrics.set_rooms("succeeded", stats.get("rooms_succeeded", 0))
         self.metrics.set_rooms("failed", stats.get("rooms_failed", 0))

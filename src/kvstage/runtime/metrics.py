@@ -17,6 +17,8 @@ Metrics (all prefixed `kvstage_`, all labelled with the agent's `role` and `peer
 - `rejected_frames_total{reason}`: inbound frames dropped by the control channel or the protocol codec;
 - `parked_sends_failed_total{reason}`: sends parked for an unresolved peer that were never sent (a cap, their
   time, or the peer's session ended; runtime/outbox.py);
+- `protocol_rejected{why}`: messages the endpoint refused, by why (a bound hit: "too many peers", "room cap of the
+  peer reached", "chunk index out of range", "unknown room", ...; protocol/stats.py);
 - `peer_state{table}`: entries per per-peer table of the agent (records, sockets, resolver, parked, endpoint), so
   an operator sees that they follow the peers alive now;
 - `internal_errors_total`: agent steps that raised unexpectedly (a bug; logged with its traceback).
@@ -111,6 +113,9 @@ class AgentMetrics:
         self.parked_failed = Counter(
             "kvstage_parked_sends_failed", "Parked sends never sent, by reason", (*labels, "reason"), registry=reg
         )
+        self.protocol_rejected = Gauge(
+            "kvstage_protocol_rejected", "Messages the endpoint refused, by why", (*labels, "why"), registry=reg
+        )
         self.peer_state = Gauge("kvstage_peer_state", "Entries per per-peer table", (*labels, "table"), registry=reg)
         self.internal_errors = Counter(
             "kvstage_internal_errors", "Agent steps that raised unexpectedly (logged with a traceback)", labels,
@@ -154,6 +159,9 @@ class AgentMetrics:
 
     def parked_send_failed(self, reason: str) -> None:
         self.parked_failed.labels(*self._labels, reason).inc()
+
+    def set_protocol_rejected(self, why: str, count: int) -> None:
+        self.protocol_rejected.labels(*self._labels, why).set(count)
 
     def set_peer_state(self, table: str, count: int) -> None:
         self.peer_state.labels(*self._labels, table).set(count)

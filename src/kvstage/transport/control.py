@@ -31,6 +31,7 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+import time
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -49,6 +50,7 @@ M = TypeVar("M")
 REJECT_MULTIPART = "multipart"
 REJECT_OVERSIZE = "oversize"
 REJECT_UNDECODABLE = "undecodable"
+REJECT_INBOX_FULL = "inbox full"
 
 #: Reasons under which queued frames fail to leave (passed to `on_send_failure`).
 SEND_PEER_BUSY = "peer queue full"
@@ -73,11 +75,17 @@ class ChannelConfig:
     outbox_capacity: int = 4096
     max_peers: int = 256
     peer_send_hwm: int = 10_000
+    #: Frames ZeroMQ may queue per inbound connection before the I/O thread reads them (each at most
+    #: 4 * max_frame_bytes): the one inbound buffer the channel bounds in frames, not bytes (docs/security.md).
+    recv_hwm: int = 1000
     recv_batch: int = 256
     poll_interval_s: float = 0.1
+    #: Rejected frames are logged at most once per this many seconds per reason (with the count since the last
+    #: line), so a flood of bad frames cannot flood the log; every one is still counted.
+    reject_log_interval_s: float = 1.0
 
     def __post_init__(self) -> None:
-        for name in ("max_frame_bytes", "outbox_capacity", "max_peers", "peer_send_hwm", "recv_batch"):
+        for name in ("max_frame_bytes", "outbox_capacity", "max_peers", "peer_send_hwm", "recv_hwm", "recv_batch"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
 
@@ -102,7 +110,9 @@ class ControlChannel(Generic[M]):
     """A bound ROUTER plus per-peer DEALERs, driven by one I/O thread.
 
     `encode` runs on the caller's thread inside `send`; `decode` and the callbacks run on the I/O thread and must
-    not block. `decode` signals a bad frame by raising `ProtocolError`.
+    not block. `decode` signals a bad frame by raising `ProtocolError`. `admit(nbytes)`, if given, is asked before
+    each decoded frame is delivered: False drops it (counted as "inbox full"), so the owner bounds in bytes what
+    waits for it.
     """
 
     def __init__(
@@ -114,6 +124,7 @@ class ControlChannel(Generic[M]):
         deliver: Callable[[M], None],
         on_send_failure: Callable[[str, M, str], None],
         on_reject: Callable[[str], None] | None = None,
+        admit: Callable[[int], bool] | None = None,
         config: ChannelConfig | None = None,
         context: zmq.Context[zmq.Socket[bytes]] | None = None,
         name: str = "control",
@@ -128,6 +139,7 @@ class ControlChannel(Generic[M]):
         self._deliver = deliver
         self._on_send_failure = on_send_failure
         self._on_reject = on_reject
+        self._admit = admit
         self.config = config or ChannelConfig()
         self._context = context or zmq.Context.instance()
         self.name = name
@@ -146,6 +158,7 @@ class ControlChannel(Generic[M]):
         self.received = 0
         self.sent = 0
         self.open_peers = 0  # DEALER sockets open now (written by the I/O thread)
+        self._reject_logged: dict[str, tuple[float, int]] = {}  # reason -> (last line, rejects since)
 
     # ---- caller side -------------------------------------------------------------------------------------
 
@@ -233,7 +246,7 @@ class ControlChannel(Generic[M]):
             router = self._context.socket(zmq.ROUTER)
             router.setsockopt(zmq.LINGER, 0)
             router.setsockopt(zmq.MAXMSGSIZE, 4 * self.config.max_frame_bytes + OVERHEAD)
-            router.setsockopt(zmq.RCVHWM, self.config.peer_send_hwm)
+            router.setsockopt(zmq.RCVHWM, self.config.recv_hwm)
             router.bind(self._bind)
             self._address = router.getsockopt_string(zmq.LAST_ENDPOINT)
         except zmq.ZMQError as exc:
@@ -342,8 +355,10 @@ class ControlChannel(Generic[M]):
             try:
                 message = self._decode(frame)
             except ProtocolError as exc:
-                log.debug("%s: undecodable frame of %d bytes: %s", self.name, len(frame), exc)
-                self._reject(REJECT_UNDECODABLE)
+                self._reject(REJECT_UNDECODABLE, f"{len(frame)} bytes: {exc}")
+                continue
+            if self._admit is not None and not self._admit(len(frame)):
+                self._reject(REJECT_INBOX_FULL)
                 continue
             self.received += 1
             try:
@@ -351,8 +366,16 @@ class ControlChannel(Generic[M]):
             except Exception:
                 log.exception("%s: deliver callback raised; message dropped", self.name)
 
-    def _reject(self, reason: str) -> None:
+    def _reject(self, reason: str, detail: str = "") -> None:
         self.rejected[reason] += 1
+        now = time.monotonic()
+        last, since = self._reject_logged.get(reason, (-1e18, 0))
+        if now - last >= self.config.reject_log_interval_s:
+            log.warning("%s: rejected an inbound frame (%s%s); %d more since the last such line", self.name, reason,
+                        f": {detail}" if detail else "", since)  # fmt: skip
+            self._reject_logged[reason] = (now, 0)
+        else:
+            self._reject_logged[reason] = (last, since + 1)
         if self._on_reject is not None:
             try:
                 self._on_reject(reason)
