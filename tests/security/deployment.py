@@ -73,10 +73,12 @@ def wait_outcomes(agent: DecodeAgent | PrefillAgent, rooms: Iterable[int], timeo
     return got
 
 
-def prefill_instance(name: str, bootstrap: str, caps: Caps = Caps(), secret: bytes | None = None) -> list[PrefillAgent]:
+def prefill_instance(
+    name: str, bootstrap: str, caps: Caps = Caps(), secret: bytes | None = None, pages: int = 16
+) -> list[PrefillAgent]:
     return [
         PrefillAgent(
-            config(name, r, PREFILL_TP, bootstrap, caps, secret), KVPool.for_rank(LAYOUT, PREFILL_TP, r, 16)
+            config(name, r, PREFILL_TP, bootstrap, caps, secret), KVPool.for_rank(LAYOUT, PREFILL_TP, r, pages)
         ).start()
         for r in range(PREFILL_TP)
     ]
