@@ -202,6 +202,12 @@ def _crash_cluster(tmp: Path, backend: str) -> Cluster:
     return Cluster(tmp, backend, max_tokens=96, abort_fraction=0.0, timing=timing)
 
 
+def _wait_registered(cluster: Cluster, peers: set[str]) -> None:
+    """Every rank of the crash test is up (on a loaded host, starting the workers can take a minute)."""
+    cluster.wait_for(lambda: peers <= {r.peer_id for r in cluster.bootstrap.records()}, f"{sorted(peers)} registered",
+                     timeout_s=180)  # fmt: skip
+
+
 def _session_of(cluster: Cluster, peer: str) -> int:
     return next(r.session for r in cluster.bootstrap.records() if r.peer_id == peer)
 
@@ -313,6 +319,7 @@ def test_killed_prefill_rank_fails_its_rooms_as_peer_dead_and_a_restarted_rank_s
         # p1 writes the first chunk of each room and then stalls, leaving every room mid-transfer
         hold = {"first_room": 0, "rooms": 8, "hold_after_first_chunk": True, "marker": str(held)}
         cluster.spawn("p1", "prefill", 2, 1, 1, [hold])
+        _wait_registered(cluster, {"D/0", "P/0", "P/1"})
         cluster.wait_for(held.exists, "p1 holding its rooms after their first chunk")
         killed_at, reports, after = _kill_and_restart(
             cluster, "p1", "P/1", [tmp_path / "d0-crash.report", tmp_path / "p0-crash.report"], 60,
@@ -345,6 +352,7 @@ def test_killed_decode_rank_fails_its_rooms_as_peer_dead_on_every_writer_and_a_r
         hold = _phase(tmp_path, "p1-crash", 0, 8, hold_after_first_chunk=True, marker=str(held),
                       release=str(tmp_path / "release"))  # fmt: skip
         cluster.spawn("p1", "prefill", 2, 1, 1, [hold, _phase(tmp_path, "p1", 100, 20, wait_for=str(phase2))])
+        _wait_registered(cluster, {"D/0", "P/0", "P/1"})
         cluster.wait_for(held.exists, "p1 holding its rooms after their first chunk")
         killed_at, crash, after = _kill_and_restart(
             cluster, "d0", "D/0", [tmp_path / "p0-crash.report", tmp_path / "p1-crash.report"], 90,

@@ -113,6 +113,7 @@ def test_a_decode_agent_serves_100_successive_prefill_instances_with_per_peer_ca
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)
 def test_a_decode_agent_serves_1000_successive_prefill_instances_with_default_caps(capsys) -> None:
     samples = churn(1000, Caps(), cap=ParkLimits().max_peers)
     with capsys.disabled():
