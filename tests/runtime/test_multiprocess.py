@@ -216,6 +216,7 @@ def _wait_for_new_session(cluster: Cluster, peer: str, old_session: int) -> None
     cluster.wait_for(
         lambda: any(r.peer_id == peer and r.session != old_session for r in cluster.bootstrap.records()),
         f"{peer} registered with a new session",
+        timeout_s=180,  # a restarted worker can take a minute to start on a loaded host
     )
 
 
