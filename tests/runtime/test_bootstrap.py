@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import zmq
 
@@ -123,3 +125,19 @@ def test_unreachable_bootstrap_is_a_timeout_error_not_a_hang():
         cli.close()
     finally:
         silent.close(linger=0)
+
+
+def test_a_record_not_registered_again_within_its_ttl_expires_and_a_refreshed_one_stays():
+    """A rank killed without unregistering leaves no record for good (issue #15, defect 5)."""
+    with BootstrapServer(record_ttl_s=0.5) as srv:
+        cli = BootstrapClient(srv.address)
+        try:
+            cli.register(record("dead/0"))
+            cli.register(record("live/0"))
+            for _ in range(5):
+                time.sleep(0.2)
+                cli.register(record("live/0"))  # what a live agent's resolver does every REREGISTER_S
+            assert set(cli.lookup(["dead/0", "live/0"])) == {"live/0"}
+            assert [r.peer_id for r in srv.records()] == ["live/0"]
+        finally:
+            cli.close()

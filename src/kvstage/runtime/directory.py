@@ -4,7 +4,8 @@ Owns `Resolver`: one thread with its own `BootstrapClient` that looks up, in one
 the agent has asked about, and posts a record to the agent whenever a peer is new or its registration changed
 (a restart registers a newer session, often with a new control address and new transport descriptors). The same
 round checks the agent's own record and registers it again if the bootstrap service lost it (a restarted
-bootstrap starts empty), so the directory heals without restarting any rank.
+bootstrap starts empty), so the directory heals without restarting any rank; it also registers it again every
+`REREGISTER_S`, since the bootstrap lets a record go `RECORD_TTL_S` after its last registration.
 
 Invariants: the agent thread never blocks on the bootstrap service (lookups happen here); a failed lookup is
 logged and retried next round, never fatal. The set of peers asked about is bounded in count and time: at most
@@ -22,7 +23,7 @@ import time
 from collections.abc import Callable
 
 from kvstage.errors import KVStageError
-from kvstage.transport.bootstrap import BootstrapClient, PeerRecord
+from kvstage.transport.bootstrap import REREGISTER_S, BootstrapClient, PeerRecord
 
 log = logging.getLogger(__name__)
 
@@ -53,12 +54,14 @@ class Resolver:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._own: PeerRecord | None = None
+        self._registered_at = 0.0
         self._thread = threading.Thread(target=self._run, name=f"kvstage-{name}", daemon=True)
 
     def publish(self, record: PeerRecord) -> None:
         """Keep `record` (this agent's own) registered: re-register it whenever the bootstrap has lost it."""
         with self._lock:
             self._own = record
+            self._registered_at = time.monotonic()
 
     def start(self) -> Resolver:
         self._thread.start()
@@ -122,6 +125,10 @@ class Resolver:
             if own is not None and own.peer_id not in records:
                 log.warning("bootstrap %s lost the record of %s; registering it again", self._bootstrap, own.peer_id)
                 client.register(own)
+                self._registered_at = time.monotonic()
+            elif own is not None and time.monotonic() - self._registered_at > REREGISTER_S:
+                client.register(own)  # records live RECORD_TTL_S after their last registration
+                self._registered_at = time.monotonic()
         except KVStageError as exc:
             log.warning("bootstrap %s: lookup or registration failed, retrying: %s", self._bootstrap, exc)
             return

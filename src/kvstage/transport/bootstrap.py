@@ -5,7 +5,9 @@ Owns:
   address, data backend, its transport descriptors (a decode rank publishes its staging ring's descriptor
   here, which is how writers learn where to write), and its session (new and larger on every restart);
 - `BootstrapServer`: a small ZeroMQ ROUTER service, one thread owning its socket, holding at most
-  `max_records` records (a newer session replaces an older one; an older session never replaces a newer one);
+  `max_records` records (a newer session replaces an older one; an older session never replaces a newer one),
+  each for `record_ttl_s` after its last registration (agents register again every `REREGISTER_S`, so the record
+  of a rank killed without unregistering goes within a minute);
 - `BootstrapClient`: blocking request/reply with a timeout, for one thread (agent start-up and the agents'
   resolver threads, never an engine's scheduler thread);
 - `check_compatible`: the rendezvous check that both sides agree on layers, head_dim, dtype, page size and KV
@@ -44,6 +46,9 @@ MAX_DESCRIPTORS: Final = 16
 MAX_DESCRIPTOR_BYTES: Final = 2**20 + 4096
 #: What a bootstrap request's tag is bound to (transport/auth.py); a reply is bound to its request's tag.
 REQUEST_CONTEXT: Final = b"kvstage bootstrap request"
+#: How long a record lives after its last registration, and how often a live agent registers again.
+RECORD_TTL_S: Final = 60.0
+REREGISTER_S: Final = 10.0
 #: The reason counted for a request that is not decodable.
 REJECT_BAD_REQUEST: Final = "bad request"
 
@@ -144,8 +149,11 @@ class BootstrapServer:
         context: zmq.Context[zmq.Socket[bytes]] | None = None,
         secret: bytes | None = None,
         insecure: bool = False,
+        record_ttl_s: float = RECORD_TTL_S,
     ) -> None:
         self._bind = bind
+        self._record_ttl_s = record_ttl_s
+        self._refreshed: dict[str, float] = {}  # peer id -> when its record was last registered (monotonic)
         self._auth = None if secret is None else FrameAuth(secret)
         self._insecure = insecure
         self._max_records = max_records
@@ -230,12 +238,13 @@ class BootstrapServer:
             self.rejected[REJECT_BAD_REQUEST] += 1
             return _Reply(False, f"bad request: {exc}")
         with self._lock:
+            self._expire()
             if isinstance(request, _Register):
                 return self._register(request.record)
             if isinstance(request, _Unregister):
                 held = self._records.get(request.peer_id)
                 if held is not None and held.session == request.session:
-                    del self._records[request.peer_id]
+                    del self._records[request.peer_id], self._refreshed[request.peer_id]
                 return _Reply(True)
             if isinstance(request, _Lookup):
                 return _Reply(True, records=[self._records[p] for p in request.peer_ids if p in self._records])
@@ -249,7 +258,14 @@ class BootstrapServer:
         if held is None and len(self._records) >= self._max_records:
             return _Reply(False, f"bootstrap is full ({self._max_records} records)")
         self._records[record.peer_id] = record
+        self._refreshed[record.peer_id] = time.monotonic()
         return _Reply(True)
+
+    def _expire(self) -> None:
+        """Drop the records not registered again within `record_ttl_s` (their ranks died without unregistering)."""
+        cutoff = time.monotonic() - self._record_ttl_s
+        for peer_id in [p for p, when in self._refreshed.items() if when < cutoff]:
+            del self._records[peer_id], self._refreshed[peer_id]
 
 
 class BootstrapClient:
