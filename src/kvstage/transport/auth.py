@@ -30,6 +30,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import ipaddress
+import logging
 import itertools
 import os
 import secrets
@@ -41,6 +42,8 @@ from pathlib import Path
 from typing import Final
 
 from kvstage.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 #: Environment variable holding the shared secret (used when no secret file is given).
 SECRET_ENV: Final = "KVSTAGE_SECRET"
@@ -93,13 +96,19 @@ def is_loopback_endpoint(endpoint: str) -> bool:
 
 
 def check_bind(endpoint: str, authenticated: bool, insecure: bool, what: str) -> None:
-    """Refuse (`ConfigError`) to bind `endpoint` beyond loopback unless `authenticated` (a secret) or `insecure`."""
-    if not authenticated and not insecure and not is_loopback_endpoint(endpoint):
-        raise ConfigError(
-            f"{what} would listen on {endpoint}, beyond this host, without a shared secret: set {SECRET_ENV} or "
-            "give a secret file (--secret-file), or opt out with --insecure (anyone who reaches the port can "
-            "then steer transfers)"
-        )
+    """Refuse (`ConfigError`) to bind `endpoint` beyond loopback unless `authenticated` (a secret) or `insecure`
+    (then logged as a warning)."""
+    if authenticated or is_loopback_endpoint(endpoint):
+        return
+    if insecure:
+        log.warning("%s listens on %s without a shared secret (insecure): anyone who reaches it can use it", what,
+                    endpoint)  # fmt: skip
+        return
+    raise ConfigError(
+        f"{what} would listen on {endpoint}, beyond this host, without a shared secret: set {SECRET_ENV} or "
+        "give a secret file (--secret-file), or opt out with --insecure (anyone who reaches the port can "
+        "then steer transfers)"
+    )
 
 
 class ReplayWindow:
