@@ -30,8 +30,8 @@ from __future__ import annotations
 import hashlib
 import hmac
 import ipaddress
-import logging
 import itertools
+import logging
 import os
 import secrets
 import struct
