@@ -200,7 +200,11 @@ class VLLMServerSpec:
 
     def env(self) -> dict[str, str]:
         """vLLM on CPU: a small KV cache, and each TP rank bound to a core of its own (the box has two)."""
-        env = {"VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib), "VLLM_CPU_OMP_THREADS_BIND": "auto"}
+        env = {
+            "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib),
+            "VLLM_CPU_OMP_THREADS_BIND": "auto",
+            "KVSTAGE_VLLM_NO_SPIN": "1",
+        }
         if self.dev_mode:
             env["VLLM_SERVER_DEV_MODE"] = "1"
         if self.tp > 1:

@@ -36,6 +36,29 @@ def _check_vllm() -> None:
 
 _check_vllm()
 
+
+def _no_spin_if_asked() -> None:
+    """`KVSTAGE_VLLM_NO_SPIN=1`: vLLM's shared-memory message queue, which spins on `sched_yield()` while it waits
+    for the next step, sleeps 0.2 ms per turn instead. On a small CPU host (the demo's two cores) the spinning
+    workers, pinned one per core, keep every other thread of their core from running: kvstage's agents and ZeroMQ
+    I/O threads (replies sit unread in the socket), even the kernel's own workers ("workqueue lockup" in the kernel
+    log). The patch replaces the module-level function the queue calls, so it also covers queues built before
+    this module was imported. Off by default; the demo and the end-to-end tests set it."""
+    import os
+    import time
+
+    if os.environ.get("KVSTAGE_VLLM_NO_SPIN") != "1":
+        return
+    from vllm.distributed.device_communicators import shm_broadcast
+
+    def short_sleep() -> None:
+        time.sleep(0.0002)
+
+    shm_broadcast.sched_yield = short_sleep  # type: ignore[attr-defined]
+
+
+_no_spin_if_asked()
+
 from kvstage.integrations.vllm.connector import KVStageConnector  # noqa: E402
 
 __all__ = ["TESTED_VLLM", "KVStageConnector"]

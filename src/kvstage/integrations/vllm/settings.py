@@ -29,6 +29,9 @@ class ConnectorSettings:
     - `chunk_tokens`: the staging grid; 0 picks the smallest multiple of the block size that is at least 256.
     - `ring_mib` (decode) / `staging_mib` (prefill): staging memory per rank.
     - `room_timeout_s`: a request's KV handoff ends, with success or a stated failure, by this deadline.
+    - `dead_after_s`: a peer rank silent this long is dead (its rooms fail, vLLM recomputes). Longer than the
+      protocol's 5 s default: a vLLM worker can be unresponsive for seconds (compilation, a TP rank scheduled
+      late on a busy CPU host), and a false "peer dead" costs a recompute. Heartbeats go every tenth of it.
     - `report_dir`: when set, each rank appends per-page digests of the KV it sent or received, and its
       transfer counters, to a file there (the demo's checks). Off by default: it reads every byte once more.
     - `secret_file`: a file holding the deployment's shared secret (else `KVSTAGE_SECRET`, else none): every
@@ -44,6 +47,7 @@ class ConnectorSettings:
     ring_mib: int = 256
     staging_mib: int = 64
     room_timeout_s: float = 120.0
+    dead_after_s: float = 20.0
     report_dir: str = ""
     secret_file: str = ""
 
@@ -57,8 +61,9 @@ class ConnectorSettings:
                 raise ConfigError(f"kvstage: {name!r} must be positive, got {getattr(self, name)!r}")
         if self.chunk_tokens < 0:
             raise ConfigError(f"kvstage: 'chunk_tokens' must be 0 (automatic) or positive, got {self.chunk_tokens}")
-        if not self.room_timeout_s > 0:
-            raise ConfigError(f"kvstage: 'room_timeout_s' must be positive, got {self.room_timeout_s!r}")
+        for name in ("room_timeout_s", "dead_after_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"kvstage: {name!r} must be positive, got {getattr(self, name)!r}")
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorSettings:

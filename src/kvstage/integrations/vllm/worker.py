@@ -33,6 +33,7 @@ from kvstage.integrations.vllm.metadata import ComputeStep, ExpectRoom, StepMeta
 from kvstage.integrations.vllm.report import RankReport, page_digests
 from kvstage.integrations.vllm.settings import ConnectorSettings
 from kvstage.layout import KVLayout, heads_of_rank
+from kvstage.protocol import Timing
 from kvstage.runtime import AgentConfig, DecodeAgent, PrefillAgent, peer_id
 from kvstage.transport.auth import load_secret
 from kvstage.transport.data import TransportConfig
@@ -102,6 +103,7 @@ class WorkerSide:
             chunk_tokens=s.chunk_tokens_for(layout.page_size),
             ring_bytes=s.ring_mib << 20,
             staging_bytes=s.staging_mib << 20,
+            timing=Timing(heartbeat_s=s.dead_after_s / 10, dead_after_s=s.dead_after_s),
             secret=load_secret(s.secret_file or None),
         )
         agent = PrefillAgent(config, self._kv) if self._producer else DecodeAgent(config, self._kv)
