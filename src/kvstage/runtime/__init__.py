@@ -7,7 +7,7 @@ docs/integration.md shows how an engine plugs in. Imports point down only: runti
 transport/, dataplane/ and the pure core, and nothing below imports runtime/.
 """
 
-from kvstage.runtime.agent import AgentConfig, AgentSnapshot, RoomOutcome, peer_id
+from kvstage.runtime.config import AgentConfig, AgentSnapshot, RoomOutcome, peer_id
 from kvstage.runtime.decode import DecodeAgent
 from kvstage.runtime.metrics import AgentMetrics, BusyClock
 from kvstage.runtime.prefill import PrefillAgent

@@ -1,6 +1,6 @@
 """The machinery every runtime agent shares: configuration, outcomes, the agent thread and its event loop.
 
-Owns `AgentConfig`, `RoomOutcome`, `AgentSnapshot`, `peer_id` and `BaseAgent`, the base of `DecodeAgent`
+Owns `BaseAgent` (its values are in config.py), the base of `DecodeAgent`
 (decode.py) and `PrefillAgent` (prefill.py). An agent drives one protocol endpoint with real sockets, a real data
 transport, gather/scatter on the engine's KV pool, a clock and metrics. It owns one agent thread (the only thread
 that touches the endpoint, the transport's write/poll calls and the agent's tables), plus the threads it starts:
@@ -46,12 +46,11 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, ClassVar, assert_never
 
 from kvstage.dataplane import KVPool, KVStore
 from kvstage.errors import ConfigError, KVStageError, TransportError
-from kvstage.layout import KVLayout
 from kvstage.protocol import (
     AbortRoom,
     Action,
@@ -63,7 +62,6 @@ from kvstage.protocol import (
     FencePeer,
     FenceScatter,
     FreePages,
-    Limits,
     PrefillEndpoint,
     Received,
     RoomFailed,
@@ -71,23 +69,22 @@ from kvstage.protocol import (
     Scatter,
     Send,
     SendFailed,
-    Timing,
     WriteDirect,
     WriteRegion,
 )
-from kvstage.protocol.codec import DEFAULT_MAX_FRAME_BYTES
 from kvstage.protocol.messages import Envelope, Metadata, RoomBody
+from kvstage.protocol.reasons import INVALID_REQUEST
+from kvstage.runtime.config import AgentConfig, AgentSnapshot, RoomOutcome, check_peer
 from kvstage.runtime.copier import Copier, CopyDone
 from kvstage.runtime.directory import Resolver
 from kvstage.runtime.metrics import AgentMetrics
-from kvstage.runtime.outbox import ParkedSends, ParkLimits
+from kvstage.runtime.outbox import NOT_PARKED, SESSION_ENDED, ParkedSends
 from kvstage.transport.auth import FrameAuth
-from kvstage.transport.bootstrap import BootstrapClient, LayoutRecord, PeerRecord, check_compatible
-from kvstage.transport.control import ChannelConfig, ControlChannel
+from kvstage.transport.bootstrap import BootstrapClient, PeerRecord, check_compatible
+from kvstage.transport.control import ControlChannel
 from kvstage.transport.data import (
     DataTransport,
     LocalRegion,
-    TransportConfig,
     create_transport,
     encode_descriptor,
 )
@@ -103,79 +100,6 @@ BUSY_POLL_MAX_S = 0.004
 IDLE_POLL_S = 0.05
 #: How often the agent thread releases the state of peers that left and fails sends parked for too long.
 PEER_SWEEP_S = 0.5
-#: The reason a send parked for a peer whose session ended fails with.
-SESSION_ENDED = "peer session ended"
-#: The reason a heartbeat or Fenced to an unresolved peer fails with: only room messages are parked (the others
-#: repeat on their own), so strangers that keep talking park nothing but the room replies they provoke.
-NOT_PARKED = "peer not resolved (not parked: no room)"
-#: The reason an engine call the agent refuses fails with (followed by ": " and what is wrong), and its metric label.
-INVALID_REQUEST = "invalid request"
-
-
-def peer_id(instance: str, rank: int) -> str:
-    """The peer id of `rank` of `instance`: what engines pass as `prefill_peers`, and what the bootstrap keys on."""
-    return f"{instance}/{rank}"
-
-
-@dataclass(frozen=True, slots=True)
-class AgentConfig:
-    """One rank's agent. Decode needs `chunk_tokens` and `ring_bytes`; prefill uses `staging_bytes`."""
-
-    instance: str
-    rank: int
-    tp_size: int
-    layout: KVLayout
-    bootstrap: str
-    transport: TransportConfig = field(default_factory=TransportConfig)
-    control_bind: str = "tcp://127.0.0.1:*"
-    #: Shared secret of the deployment (`kvstage.transport.auth.load_secret`): every control frame and bootstrap
-    #: request is then authenticated. Without one, `control_bind` must be a loopback address unless `insecure`.
-    secret: bytes | None = field(default=None, repr=False)
-    insecure: bool = False
-    timing: Timing = field(default_factory=Timing)
-    limits: Limits = field(default_factory=Limits)
-    channel: ChannelConfig = field(default_factory=lambda: ChannelConfig(max_frame_bytes=DEFAULT_MAX_FRAME_BYTES))
-    chunk_tokens: int = 0
-    ring_bytes: int = 0
-    ring_alignment: int = 64
-    staging_bytes: int = 64 * 2**20
-    #: Prefill: writes in flight per decode peer; more wait in order (see PrefillAgent._enqueue_write).
-    writes_per_peer: int = 2
-    max_inbox: int = 65536
-    #: Frame bytes decoded and waiting for the agent thread (with `max_inbox`: inbound memory is bounded in bytes).
-    max_inbox_bytes: int = 64 * 2**20
-    #: Sends parked for peers not resolved yet; `park.ttl_s` also bounds how long the resolver asks for a peer
-    #: that never registers.
-    park: ParkLimits = field(default_factory=ParkLimits)
-    resolve_refresh_s: float = 1.0
-
-    @property
-    def peer_id(self) -> str:
-        return peer_id(self.instance, self.rank)
-
-
-@dataclass(frozen=True, slots=True)
-class RoomOutcome:
-    """How a room ended. On a failed decode room, `pages` are the engine's pages, now free for it to reuse."""
-
-    room: int
-    ok: bool
-    reason: str = ""
-    pages: tuple[int, ...] = ()
-
-
-@dataclass(frozen=True, slots=True)
-class AgentSnapshot:
-    """Read-only view refreshed by the agent thread after every turn; safe to read from any thread."""
-
-    open_rooms: int = 0
-    quiescent: bool = True
-    ring_live_bytes: int = 0
-    ring_high_water: int = 0
-    writes_in_flight: int = 0
-    writes_waiting: int = 0
-    pending_sends: int = 0
-    stats: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -263,7 +187,7 @@ class BaseAgent(ABC):
                 secret=self.config.secret,
                 name=f"{self.peer_id}-resolver",
             ).start()
-            record = self._record(descriptors)
+            record = self.config.record(self.role, self.channel.address, self.session, descriptors)
             client = self._bootstrap_client()
             try:
                 client.register(record)
@@ -406,21 +330,6 @@ class BaseAgent(ABC):
 
     def _bootstrap_client(self, timeout_s: float = 5.0) -> BootstrapClient:
         return BootstrapClient(self.config.bootstrap, timeout_s=timeout_s, secret=self.config.secret)
-
-    def _record(self, descriptors: dict[str, bytes]) -> PeerRecord:
-        return PeerRecord(
-            peer_id=self.peer_id,
-            role=self.role,  # type: ignore[arg-type]
-            instance=self.config.instance,
-            tp_size=self.config.tp_size,
-            rank=self.config.rank,
-            layout=LayoutRecord.of(self.config.layout),
-            control_address=self.channel.address,
-            backend=self.config.transport.backend,
-            session=self.session,
-            descriptors=descriptors,
-            chunk_tokens=self.config.chunk_tokens,
-        )
 
     def _admit(self, nbytes: int) -> bool:
         """Control I/O thread: room in the inbox for one more decoded frame of `nbytes`? (If so it is reserved, and
@@ -623,15 +532,7 @@ class BaseAgent(ABC):
 
     def _on_record(self, record: PeerRecord) -> None:
         try:
-            if record.role != self.peer_role:
-                raise ConfigError(f"role mismatch: {record.peer_id!r} registered as {record.role}, expected a "
-                                  f"{self.peer_role} rank")  # fmt: skip
-            check_compatible(self.config.layout, record, me=f"{self.role} rank {self.peer_id!r}")
-            if record.backend != self.config.transport.backend:
-                raise ConfigError(
-                    f"backend mismatch: {self.peer_id!r} uses {self.config.transport.backend!r}, "
-                    f"{record.peer_id!r} uses {record.backend!r}"
-                )
+            check_peer(self.config, self.role, self.peer_role, record)
         except ConfigError as exc:
             log.error("%s: %s", self.peer_id, exc)
             self._incompatible[record.peer_id] = str(exc)

@@ -36,7 +36,8 @@ from kvstage.protocol import (
     WriteRegion,
 )
 from kvstage.ring import StagingRing
-from kvstage.runtime.agent import AgentConfig, AgentSnapshot, BaseAgent, RoomOutcome
+from kvstage.runtime.agent import BaseAgent
+from kvstage.runtime.config import AgentConfig, AgentSnapshot, RoomOutcome
 from kvstage.runtime.copier import CopyDone
 from kvstage.transport.data import (
     LocalRegion,

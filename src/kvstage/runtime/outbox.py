@@ -36,6 +36,13 @@ EVICTED = "evicted by younger parked sends"
 Failed = tuple[str, Envelope, str]
 
 
+#: The reason a send parked for a peer whose session ended fails with.
+SESSION_ENDED = "peer session ended"
+#: The reason a heartbeat or Fenced to an unresolved peer fails with: only room messages are parked (the others
+#: repeat on their own), so strangers that keep talking park nothing but the room replies they provoke.
+NOT_PARKED = "peer not resolved (not parked: no room)"
+
+
 @dataclass(frozen=True, slots=True)
 class ParkLimits:
     """Caps of the sends parked for unresolved peers (`AgentConfig.park`)."""

@@ -49,7 +49,8 @@ from kvstage.protocol import (
 )
 from kvstage.protocol.prefill import PrefillRoomState
 from kvstage.ring import Allocation, StagingRing, region_ready
-from kvstage.runtime.agent import AgentConfig, AgentSnapshot, BaseAgent, RoomOutcome
+from kvstage.runtime.agent import BaseAgent
+from kvstage.runtime.config import AgentConfig, AgentSnapshot, RoomOutcome
 from kvstage.runtime.copier import CopyDone
 from kvstage.transport.bootstrap import PeerRecord
 from kvstage.transport.data import (

@@ -1,0 +1,116 @@
+"""The values an engine hands an agent and gets back: `AgentConfig`, `RoomOutcome`, `AgentSnapshot`, `peer_id`, and
+`check_peer`, the check that a peer's bootstrap record is one this agent can work with.
+
+Owns these frozen values and that pure check (no I/O, no threads), so that engines, tests and the agents share one
+definition. Called by the engine integrations (kvstage.integrations), the runtime agents (agent.py, decode.py,
+prefill.py), the bench and the demos.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvstage.errors import ConfigError
+from kvstage.layout import KVLayout
+from kvstage.protocol import Limits, Timing
+from kvstage.protocol.codec import DEFAULT_MAX_FRAME_BYTES
+from kvstage.runtime.outbox import ParkLimits
+from kvstage.transport.bootstrap import LayoutRecord, PeerRecord, check_compatible
+from kvstage.transport.control import ChannelConfig
+from kvstage.transport.data import TransportConfig
+
+
+def peer_id(instance: str, rank: int) -> str:
+    """The peer id of `rank` of `instance`: what engines pass as `prefill_peers`, and what the bootstrap keys on."""
+    return f"{instance}/{rank}"
+
+
+@dataclass(frozen=True, slots=True)
+class AgentConfig:
+    """One rank's agent. Decode needs `chunk_tokens` and `ring_bytes`; prefill uses `staging_bytes`."""
+
+    instance: str
+    rank: int
+    tp_size: int
+    layout: KVLayout
+    bootstrap: str
+    transport: TransportConfig = field(default_factory=TransportConfig)
+    control_bind: str = "tcp://127.0.0.1:*"
+    #: Shared secret of the deployment (`kvstage.transport.auth.load_secret`): every control frame and bootstrap
+    #: request is then authenticated. Without one, `control_bind` must be a loopback address unless `insecure`.
+    secret: bytes | None = field(default=None, repr=False)
+    insecure: bool = False
+    timing: Timing = field(default_factory=Timing)
+    limits: Limits = field(default_factory=Limits)
+    channel: ChannelConfig = field(default_factory=lambda: ChannelConfig(max_frame_bytes=DEFAULT_MAX_FRAME_BYTES))
+    chunk_tokens: int = 0
+    ring_bytes: int = 0
+    ring_alignment: int = 64
+    staging_bytes: int = 64 * 2**20
+    #: Prefill: writes in flight per decode peer; more wait in order (see PrefillAgent._enqueue_write).
+    writes_per_peer: int = 2
+    max_inbox: int = 65536
+    #: Frame bytes decoded and waiting for the agent thread (with `max_inbox`: inbound memory is bounded in bytes).
+    max_inbox_bytes: int = 64 * 2**20
+    #: Sends parked for peers not resolved yet; `park.ttl_s` also bounds how long the resolver asks for a peer
+    #: that never registers.
+    park: ParkLimits = field(default_factory=ParkLimits)
+    resolve_refresh_s: float = 1.0
+
+    @property
+    def peer_id(self) -> str:
+        return peer_id(self.instance, self.rank)
+
+    def record(self, role: str, control_address: str, session: int, descriptors: dict[str, bytes]) -> PeerRecord:
+        """What this rank publishes in the bootstrap, as `role`, reachable at `control_address`."""
+        return PeerRecord(
+            peer_id=self.peer_id,
+            role=role,  # type: ignore[arg-type]
+            instance=self.instance,
+            tp_size=self.tp_size,
+            rank=self.rank,
+            layout=LayoutRecord.of(self.layout),
+            control_address=control_address,
+            backend=self.transport.backend,
+            session=session,
+            descriptors=descriptors,
+            chunk_tokens=self.chunk_tokens,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class RoomOutcome:
+    """How a room ended. On a failed decode room, `pages` are the engine's pages, now free for it to reuse."""
+
+    room: int
+    ok: bool
+    reason: str = ""
+    pages: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class AgentSnapshot:
+    """Read-only view refreshed by the agent thread after every turn; safe to read from any thread."""
+
+    open_rooms: int = 0
+    quiescent: bool = True
+    ring_live_bytes: int = 0
+    ring_high_water: int = 0
+    writes_in_flight: int = 0
+    writes_waiting: int = 0
+    pending_sends: int = 0
+    stats: dict[str, int] = field(default_factory=dict)
+
+
+def check_peer(config: AgentConfig, role: str, peer_role: str, record: PeerRecord) -> None:
+    """`ConfigError`, naming both sides, unless `record` is a `peer_role` rank this agent can work with: same KV
+    layout (layers, heads, head_dim, dtype, page size) and same data backend."""
+    me = f"{role} rank {config.peer_id!r}"
+    if record.role != peer_role:
+        raise ConfigError(f"role mismatch: {record.peer_id!r} registered as {record.role}, expected a {peer_role} rank")
+    check_compatible(config.layout, record, me=me)
+    if record.backend != config.transport.backend:
+        raise ConfigError(
+            f"backend mismatch: {config.peer_id!r} uses {config.transport.backend!r}, "
+            f"{record.peer_id!r} uses {record.backend!r}"
+        )
