@@ -136,7 +136,7 @@ class WorkerSide:
 
     def _format(self, sample: torch.Tensor) -> KVCacheFormat:
         if sample.device.type == "cpu":
-            fmt = KVCacheFormat.VLLM_CPU
+            fmt = cpu_format(self._cpu_attention_isa(sample))
         else:
             name = str(getattr(self._config.cache_config, "kv_cache_layout", ""))
             if name not in _CUDA_FORMATS:
@@ -147,6 +147,14 @@ class WorkerSide:
             fmt = _CUDA_FORMATS[name]
         self._kv_format = fmt
         return fmt
+
+    def _cpu_attention_isa(self, sample: torch.Tensor) -> str:
+        """The kernel vLLM's CPU attention writes its cache with (it decides the layout of a block)."""
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        cache = self._config.cache_config
+        head_size = self._config.model_config.get_head_size()
+        return str(_get_attn_isa(sample.dtype, cache.block_size, head_size, str(cache.cache_dtype)))
 
     # ---- each step ----------------------------------------------------------------------------------------
 
@@ -244,6 +252,22 @@ class WorkerSide:
         if self._agent is None:
             raise ConfigError("kvstage: the connector was used before vLLM registered its KV caches")
         return self._agent
+
+
+#: vLLM's CPU attention kernels whose cache layout kvstage reads (checked against vLLM's own write kernel).
+CPU_KERNELS_READ = ("vec", "vec16")
+
+
+def cpu_format(isa: str) -> KVCacheFormat:
+    """The format of a CPU cache written by vLLM's `isa` kernel; `ConfigError` for a layout kvstage cannot read
+    (AMX packs K and V in tiles, and the ARM, RISC-V, s390x and POWER kernels were not checked)."""
+    if isa not in CPU_KERNELS_READ:
+        raise ConfigError(
+            f"kvstage: vLLM's CPU attention kernel here is {isa!r}; kvstage reads the KV cache layout of the "
+            f"{' and '.join(CPU_KERNELS_READ)} kernels only (with AMX, a float32 or float16 cache, or a block size "
+            "that is not a multiple of 32, avoids the AMX kernel)"
+        )
+    return KVCacheFormat.VLLM_CPU
 
 
 def _layer_index(name: str) -> tuple[int, str]:
