@@ -9,6 +9,7 @@ import time
 import msgspec
 import pytest
 import torch
+from agent_outcomes import wait_outcomes
 
 from kvstage.dataplane import KVPool
 from kvstage.errors import CompatibilityError
@@ -81,16 +82,6 @@ def make_cluster():
         cluster.close()
 
 
-def _wait(agent, count: int, timeout: float = 20.0) -> dict[int, RoomOutcome]:
-    got: dict[int, RoomOutcome] = {}
-    deadline = time.monotonic() + timeout
-    while len(got) < count and time.monotonic() < deadline:
-        got.update({o.room: o for o in agent.poll()})
-        time.sleep(0.005)
-    assert len(got) == count, f"{agent.peer_id}: {len(got)} of {count} outcomes: {got}"
-    return got
-
-
 def _run_room(cluster: Cluster, room: int, num_tokens: int, prefix: int = 0, hold_prefill_pages: bool = True) -> dict:
     """Fill prefill pools with random KV, hand the room off, return the pages used on each side.
 
@@ -133,7 +124,7 @@ def test_rooms_land_bit_exact_and_leave_the_ring_empty(make_cluster, prefill_tp,
     rooms = {1: (37, 0), 2: (8, 0), 3: (50, 16)}
     sides = {room: _run_room(cluster, room, n, p) for room, (n, p) in rooms.items()}
     for agent in cluster.decode + cluster.prefill:
-        outcomes = _wait(agent, len(rooms))
+        outcomes = wait_outcomes(agent, len(rooms))
         assert all(o.ok for o in outcomes.values()), outcomes
     for room, (_, prefix) in rooms.items():
         _assert_landed(cluster, sides[room], prefix)
@@ -162,7 +153,7 @@ def test_copy_threads_look_no_slots_up_a_room_is_looked_up_once_on_each_side(mak
         agent.pool.request_slots = spy
     sides = _run_room(cluster, 1, 50)  # 7 chunks of 8 tokens
     for agent in cluster.decode + cluster.prefill:
-        assert all(outcome.ok for outcome in _wait(agent, 1).values())
+        assert all(outcome.ok for outcome in wait_outcomes(agent, 1).values())
     _assert_landed(cluster, sides, 0)
     assert not [name for name in callers if name.endswith("-copier")], callers
     agent_threads = [name for name in callers if name.endswith("-agent")]
@@ -182,7 +173,7 @@ def test_a_writer_keeps_at_most_its_window_of_writes_in_flight_per_decode_peer(m
         transport.write_batch = counting
     sides = {room: _run_room(cluster, room, 64) for room in (1, 2)}  # 8 chunks each, all granted at once
     for agent in cluster.decode + cluster.prefill:
-        assert all(o.ok for o in _wait(agent, 2).values())
+        assert all(o.ok for o in wait_outcomes(agent, 2).values())
     for room in sides:
         _assert_landed(cluster, sides[room], 0)
     assert len(seen) == 2 * 2 * 8 and max(seen) == 0
@@ -196,7 +187,7 @@ def test_kv_on_a_gpu_is_staged_through_host_memory_bit_exact(make_cluster, prefi
     rooms = {1: (37, 0), 2: (50, 16)}
     sides = {room: _run_room(cluster, room, n, p) for room, (n, p) in rooms.items()}
     for agent in cluster.decode + cluster.prefill:
-        assert all(o.ok for o in _wait(agent, len(rooms)).values())
+        assert all(o.ok for o in wait_outcomes(agent, len(rooms)).values())
     for room, (_, prefix) in rooms.items():
         _assert_landed(cluster, sides[room], prefix)
     for agent in cluster.decode:
@@ -213,11 +204,11 @@ def test_aborted_room_fails_on_both_sides_and_decode_gets_its_pages_back(make_cl
         agent.attach_room(9, 16, 1, timeout_s=20)  # never computed: the room waits for KV
     time.sleep(0.2)
     decode.abort(9)
-    outcome = _wait(decode, 1)[9]
+    outcome = wait_outcomes(decode, 1)[9]
     assert not outcome.ok and outcome.reason == "aborted by decode"
     assert sorted(outcome.pages) == sorted(pages)
     for agent in cluster.prefill:
-        assert _wait(agent, 1)[9].reason == "aborted by decode"
+        assert wait_outcomes(agent, 1)[9].reason == "aborted by decode"
     assert decode.wait_quiescent(5)
     assert decode.metrics.value("kvstage_room_failures_total", reason="aborted by decode") == 1
 
@@ -228,13 +219,13 @@ def test_decode_refuses_a_room_whose_pages_are_not_allocated_at_once_and_keeps_s
     pages = decode.pool.allocator.allocate(2, 1)
     decode.pool.allocator.free(pages[1:])
     decode.expect_room(1, cluster.prefill_peers, 8, 0, tuple(pages), timeout_s=20)
-    refused = _wait(decode, 1)[1]
+    refused = wait_outcomes(decode, 1)[1]
     assert not refused.ok and refused.reason.startswith("invalid request: ")
     assert f"pages [{pages[1]}] are not allocated" in refused.reason and refused.pages == tuple(pages)
     assert decode.metrics.value("kvstage_room_failures_total", reason="invalid request") == 1, "one bounded label"
     decode.pool.allocator.free(pages[:1])
     sides = _run_room(cluster, 2, 21)
-    assert all(outcome.ok for agent in cluster.decode + cluster.prefill for outcome in _wait(agent, 1).values())
+    assert all(outcome.ok for agent in cluster.decode + cluster.prefill for outcome in wait_outcomes(agent, 1).values())
     _assert_landed(cluster, sides, 0)
     assert decode.wait_quiescent(5), "no slots or ring space kept for either room"
 
@@ -262,7 +253,7 @@ def test_room_times_out_when_its_prefill_rank_never_registers(make_cluster):
     decode = cluster.decode[0]
     pages = decode.pool.allocator.allocate(2, "r")
     decode.expect_room(5, ("ghost/0",), 8, 0, tuple(pages), timeout_s=0.5)
-    outcome = _wait(decode, 1, timeout=10)[5]
+    outcome = wait_outcomes(decode, 1, timeout=10)[5]
     assert not outcome.ok and outcome.reason == "timeout"
     assert sorted(outcome.pages) == sorted(pages)
 
@@ -275,7 +266,7 @@ def test_incompatible_prefill_layout_is_refused_with_both_values(make_cluster):
         decode.connect("P", 2, timeout_s=5)
     pages = decode.pool.allocator.allocate(2, "r")
     decode.expect_room(3, cluster.prefill_peers, 8, 0, tuple(pages), timeout_s=10)
-    outcome = _wait(decode, 1)[3]
+    outcome = wait_outcomes(decode, 1)[3]
     assert not outcome.ok and outcome.reason == "send failed"
 
 
@@ -292,11 +283,11 @@ def test_failed_bulk_write_fails_the_room_with_a_reason_and_the_agents_keep_serv
     decode = cluster.decode[0]
     decode.transport.unregister(decode.ring_region)  # the ring's memory is gone: every write into it fails
     _run_room(cluster, 4, 16)
-    reasons = [_wait(agent, 1)[4].reason for agent in cluster.prefill]
+    reasons = [wait_outcomes(agent, 1)[4].reason for agent in cluster.prefill]
     # the first writer to fail aborts the room; decode then aborts it on the other writer, whichever comes first
     assert "transfer failed" in reasons and set(reasons) <= {"transfer failed", "aborted by decode"}
     assert sum(a.metrics.value("kvstage_room_failures_total", reason="transfer failed") for a in cluster.prefill) >= 1
-    decode_outcome = _wait(decode, 1)[4]
+    decode_outcome = wait_outcomes(decode, 1)[4]
     assert not decode_outcome.ok and decode_outcome.reason == "aborted by prefill"
     assert decode.wait_quiescent(5) and decode.snapshot().ring_live_bytes == 0
     for agent in cluster.prefill:
@@ -310,9 +301,9 @@ def test_a_chunk_whose_pages_cannot_be_gathered_fails_its_room_with_the_reason_l
 ):
     cluster = make_cluster(2, 1)
     sides = _run_room(cluster, 1, 8, hold_prefill_pages=False)  # KV "ready" in pages the pool does not hold
-    reasons = [_wait(agent, 1)[1].reason for agent in cluster.prefill]
+    reasons = [wait_outcomes(agent, 1)[1].reason for agent in cluster.prefill]
     assert "transfer failed" in reasons and set(reasons) <= {"transfer failed", "aborted by decode"}
-    assert not _wait(cluster.decode[0], 1)[1].ok
+    assert not wait_outcomes(cluster.decode[0], 1)[1].ok
     logged = [r.getMessage() for r in caplog.records if "gather failed" in r.getMessage()]
     writers = [message.split(":")[0] for message in logged]
     assert writers and len(set(writers)) == len(writers), "each writer's one write completes once"
@@ -325,7 +316,7 @@ def test_a_chunk_whose_pages_cannot_be_gathered_fails_its_room_with_the_reason_l
         agent.pool.allocator.allocate(len(pages), 2)  # the pool is whole again; the next room goes through
     sides = _run_room(cluster, 2, 24)
     for agent in cluster.decode + cluster.prefill:
-        assert _wait(agent, 1)[2].ok
+        assert wait_outcomes(agent, 1)[2].ok
     _assert_landed(cluster, sides, 0)
 
 
@@ -346,16 +337,16 @@ def test_a_redelivered_or_older_decode_record_keeps_the_ring_import_that_writes_
     cluster = make_cluster(2, 1)
     _run_room(cluster, 1, 24)
     for agent in cluster.prefill:
-        assert _wait(agent, 1)[1].ok
+        assert wait_outcomes(agent, 1)[1].ok
     decode_peer = cluster.decode[0].peer_id
     records = [agent._records[decode_peer] for agent in cluster.prefill]
     rings = [agent._rings[decode_peer][1] for agent in cluster.prefill]
     for agent, record in zip(cluster.prefill, records, strict=True):
         agent._events.put(redelivered(record))
     sides = _run_room(cluster, 2, 24)  # queued behind the redelivered record on each agent thread
-    assert all(o.ok for o in _wait(cluster.decode[0], 2).values())
+    assert all(o.ok for o in wait_outcomes(cluster.decode[0], 2).values())
     for agent in cluster.prefill:
-        assert _wait(agent, 1)[2].ok
+        assert wait_outcomes(agent, 1)[2].ok
     _assert_landed(cluster, sides, 0)
     assert [agent._records[decode_peer] for agent in cluster.prefill] == records
     assert [agent._rings[decode_peer][1] for agent in cluster.prefill] == rings
@@ -366,10 +357,10 @@ def test_matched_tp_room_on_a_backend_without_exportable_pools_fails_explicitly(
     """P == D takes the direct path; the local backend cannot export engine memory, so the room fails, loudly."""
     cluster = make_cluster(2, 2)
     _run_room(cluster, 6, 12)
-    reasons = [_wait(agent, 1)[6].reason for agent in cluster.prefill]
+    reasons = [wait_outcomes(agent, 1)[6].reason for agent in cluster.prefill]
     assert "transfer failed" in reasons and set(reasons) <= {"transfer failed", "aborted by decode"}
     for agent in cluster.decode:
-        assert not _wait(agent, 1)[6].ok
+        assert not wait_outcomes(agent, 1)[6].ok
         assert agent.wait_quiescent(5)
 
 
@@ -385,7 +376,7 @@ def test_garbage_on_an_agents_control_socket_is_counted_and_rooms_still_succeed(
         raw.send(b"\x93not an envelope")
         raw.send(b"\xff" * 64)
         sides = _run_room(cluster, 11, 20)
-        assert _wait(decode, 1)[11].ok
+        assert wait_outcomes(decode, 1)[11].ok
         _assert_landed(cluster, sides, 0)
     finally:
         raw.close(linger=0)
@@ -442,10 +433,10 @@ def test_26501_scatter_and_abort_fence_never_touch_a_cuda_only_api(make_cluster,
     decode.expect_room(2, cluster.prefill_peers, 16, 0, tuple(pages), timeout_s=20)
     for agent in cluster.prefill:
         agent.attach_room(2, 16, cluster.decode_tp, timeout_s=20)  # never computed: only an abort can end it
-    outcome = _wait(decode, 1)[1]
+    outcome = wait_outcomes(decode, 1)[1]
     assert outcome.ok, outcome
     decode.abort(2)  # fences the room's scatters, then releases
-    aborted = _wait(decode, 1)[2]
+    aborted = wait_outcomes(decode, 1)[2]
     assert (aborted.ok, aborted.reason) == (False, "aborted by decode")
     assert tuple(aborted.pages) == tuple(pages), "a failed room hands its pages back to the engine"
     _assert_landed(cluster, sides, 0)

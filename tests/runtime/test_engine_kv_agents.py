@@ -4,16 +4,15 @@ fan-in, fan-out and equal TP (staged too: the direct path only reaches a KVPool)
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
+from agent_outcomes import wait_outcomes
 
 from kvstage.dataplane import EngineKV, KVCacheFormat
 from kvstage.errors import ConfigError
 from kvstage.layout import KVLayout, heads_of_rank
 from kvstage.protocol import DecodeConfig, Timing
-from kvstage.runtime import AgentConfig, DecodeAgent, PrefillAgent, RoomOutcome, peer_id
+from kvstage.runtime import AgentConfig, DecodeAgent, PrefillAgent, peer_id
 from kvstage.transport.bootstrap import BootstrapServer
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=4, head_dim=16, dtype="bfloat16", page_size=16)
@@ -91,16 +90,6 @@ def make_cluster():
         cluster.close()
 
 
-def _wait(agent, count: int, timeout: float = 20.0) -> dict[int, RoomOutcome]:
-    got: dict[int, RoomOutcome] = {}
-    deadline = time.monotonic() + timeout
-    while len(got) < count and time.monotonic() < deadline:
-        got.update({o.room: o for o in agent.poll()})
-        time.sleep(0.005)
-    assert len(got) == count, f"{agent.peer_id}: {len(got)} of {count} outcomes: {got}"
-    return got
-
-
 @pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 1), (1, 2), (1, 1)], ids=["P2-D1", "P1-D2", "P1-D1"])
 def test_rooms_move_between_engine_owned_vllm_cpu_caches_bit_exact_and_leave_the_rings_empty(
     make_cluster, prefill_tp, decode_tp
@@ -126,7 +115,7 @@ def test_rooms_move_between_engine_owned_vllm_cpu_caches_bit_exact_and_leave_the
             agent.kv_ready(room, tokens, tuple(pages))
 
     for agent in cluster.decode + cluster.prefill:
-        outcomes = _wait(agent, len(rooms))
+        outcomes = wait_outcomes(agent, len(rooms))
         assert all(o.ok for o in outcomes.values()), outcomes
     for room, (tokens, prefix) in rooms.items():
         for r, engine in enumerate(cluster.decode_ranks):
@@ -166,7 +155,7 @@ def test_decode_on_engine_kv_refuses_pages_outside_the_engines_tensors_at_once_a
     peers = (peer_id("P", 0), peer_id("P", 1))
     decode.expect_room(5, peers, 32, 0, (0, PAGES), timeout_s=20)  # page PAGES does not exist
     decode.expect_room(6, peers, 32, 0, (3, 3), timeout_s=20)  # a page twice
-    outcomes = _wait(decode, 2)
+    outcomes = wait_outcomes(decode, 2)
     assert "outside" in outcomes[5].reason and outcomes[5].reason.startswith("invalid request")
     assert "repeat" in outcomes[6].reason and outcomes[6].pages == (3, 3)
     assert decode.metrics.value("kvstage_room_failures_total", reason="invalid request") == 2
