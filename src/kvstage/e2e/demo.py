@@ -86,6 +86,7 @@ class DemoReport:
 class _Answer:
     text: str
     ttft_s: float
+    tokens: int = 0  # completion tokens, as the server counted them
     error: str = ""
 
 
@@ -148,7 +149,7 @@ def run_demo(options: DemoOptions = DemoOptions(), *, quiet: bool = False) -> De
             elapsed = time.monotonic() - start
         with stage("collecting the ranks' reports"):
             _wait_for_reports(reports, len(prompts), options.decode_tp)
-        return _report(options, spec, reports, reference, answers, elapsed)
+        return _report(spec, reports, reference, answers, elapsed)
     raise AssertionError("unreachable")  # pragma: no cover - ExitStack does not swallow exceptions
 
 
@@ -174,17 +175,25 @@ def _complete(client: object, prompt: list[int], max_tokens: int) -> _Answer:
     start = time.monotonic()
     first: float | None = None
     parts: list[str] = []
+    tokens = 0
     try:
         stream = client.completions.create(
-            model="tiny", prompt=prompt, max_tokens=max_tokens, temperature=0.0, stream=True
+            model="tiny",
+            prompt=prompt,
+            max_tokens=max_tokens,
+            temperature=0.0,
+            stream=True,
+            stream_options={"include_usage": True},
         )
         for chunk in stream:
             if first is None:
                 first = time.monotonic() - start
             parts.extend(choice.text for choice in chunk.choices)
+            if chunk.usage is not None:
+                tokens = chunk.usage.completion_tokens
     except APIError as exc:
-        return _Answer("", 0.0, f"{type(exc).__name__}: {exc}")
-    return _Answer("".join(parts), first or 0.0)
+        return _Answer("", 0.0, error=f"{type(exc).__name__}: {exc}")
+    return _Answer("".join(parts), first or 0.0, tokens)
 
 
 def _wait_for_reports(folder: Path, rooms: int, timeout_s: float = 30.0) -> None:
@@ -202,7 +211,6 @@ def _percentile(values: list[float], q: float) -> float:
 
 
 def _report(
-    options: DemoOptions,
     spec: TinyModelSpec,
     folder: Path,
     reference: list[_Answer],
@@ -235,7 +243,7 @@ def _report(
         transfer_gbps=kv_bytes / busy / 1e9 if busy else 0.0,
         ttft_p50_ms=_percentile(ttfts, 50),
         ttft_p99_ms=_percentile(ttfts, 99),
-        tokens_per_s=len(answers) * options.max_tokens / elapsed if elapsed else 0.0,
+        tokens_per_s=sum(a.tokens for a in answers) / elapsed if elapsed else 0.0,
         transfer_ops=sum(int(c["kvstage_transfer_ops_total"]) for c in counters.values()),
         ring_high_water_bytes=max((int(c["kvstage_ring_high_water_bytes"]) for c in counters.values()), default=0),
         problems=tuple(problems),
