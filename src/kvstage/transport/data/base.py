@@ -16,13 +16,20 @@ every method is nonetheless safe to call from any thread):
 | `export(region) -> RegionDescriptor`        | reader  | decode, when it registers its ring with writers    |
 | `import_remote(desc) -> RemoteRegion`       | writer  | prefill, on receiving a decode rank's descriptor   |
 | `write(src, src_off, dst, dst_off, n)`      | writer  | prefill, one bulk write per (chunk, decode rank)   |
-| `write_batch(src, dst, [(s, d, n), ...])`   | writer  | the per-slice baseline: one op per slice, batched  |
+| `write_batch(src, dst, [(s, d, n), ...])`   | writer  | prefill (direct path), the per-slice baseline      |
 | `poll() -> list[Completion]`                | writer  | prefill I/O thread, every loop turn                |
 | `forget_remote(remote)` / `unregister(r)`   | both    | when a peer session ends / a region is retired     |
 | `close()`                                   | both    | agent shutdown                                     |
 
 Writes are one-sided: the reader never learns from the transport that bytes landed. The writer learns it from a
 `Completion` and tells the reader over the control plane (ChunkReady).
+
+Bounded writes (the writer lease, docs/transports.md). `write`/`write_batch` take `not_after` (a `time.monotonic()`
+reading): no byte of the write moves unless the backend starts moving it before then; checked again at the last
+moment (on the worker thread, right before the copy or the post), else the write completes failed with reason
+`LEASE_EXPIRED`. With `TransportConfig.max_write_s` set, a write moves in pieces of at most `PIECE_BYTES` and no
+piece starts `max_write_s` or more after the write started (the rest fails as `WRITE_CUT`); nixl also sets UCX's
+own timeouts from it. What a backend cannot bound once bytes are posted is listed in docs/transports.md.
 
 Invariants:
 - every transfer id returned by `write`/`write_batch` appears in exactly one `Completion` from `poll`;
@@ -31,6 +38,7 @@ Invariants:
   region, or through an unknown or forgotten handle, fails this way before any byte moves; a write to a dead,
   closed or unreachable peer fails as soon as the backend notices. Only misuse of the API itself raises
   (negative offsets, an empty batch, a call after `close`);
+- a write whose `not_after` has passed when it would start moves no byte and completes with `LEASE_EXPIRED`;
 - `ops_issued` counts transfer operations handed to the backend: 1 per `write`, `len(slices)` per
   `write_batch`. The bench reports it as "transfer operations per request";
 - a descriptor decoded from the wire is bounded (`MAX_DESCRIPTOR_PAYLOAD`) before anything is allocated for it;
@@ -46,9 +54,10 @@ import ctypes
 import itertools
 import os
 import threading
+import time
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -65,6 +74,15 @@ MAX_NAME_LEN = 256
 
 BACKENDS = ("local", "mooncake", "nixl")
 
+LEASE_EXPIRED = "lease expired"
+"""Reason of a write refused because its `not_after` had passed before its first byte would move."""
+
+WRITE_CUT = "write cut: max_write_s had passed since it started, the rest was not sent"
+"""Reason of a bounded write stopped between two pieces (the pieces before it may have landed)."""
+
+PIECE_BYTES = 8 << 20
+"""Most bytes a write bounded by `max_write_s` moves between two looks at the clock (about a millisecond of copy)."""
+
 
 @dataclass(frozen=True, slots=True)
 class TransportConfig:
@@ -76,8 +94,11 @@ class TransportConfig:
     ("P2PHANDSHAKE": no central service). `nixl_backend` names the NIXL backend plugin; `nixl_rdma=False` keeps
     UCX off its InfiniBand modules, `nixl_progress_delay_us` paces NIXL's progress thread and `nixl_workers` is the
     number of UCX workers, i.e. of writes that copy at once (see `kvstage.transport.data.nixl`). `shm_dir` is where the
-    local backend puts its shared-memory segments. `write_timeout_s` bounds a NIXL write that makes no
-    progress (Mooncake applies its own engine timeout, `MC_TRANSFER_TIMEOUT`, 30 s by default).
+    local backend puts its shared-memory segments. `write_timeout_s` is how long a NIXL worker waits for a posted
+    write before reporting it failed (Mooncake's binding waits `MC_TRANSFER_TIMEOUT`, 30 s by default); neither
+    stops bytes already posted. `max_write_s` (None: unbounded) bounds every write's lifetime: no piece of a write
+    starts `max_write_s` or more after the write started, and nixl sets UCX's transport timeouts from it
+    (docs/transports.md says what each backend bounds and what it cannot).
     """
 
     backend: str = "local"
@@ -92,6 +113,7 @@ class TransportConfig:
     nixl_workers: int = 4
     shm_dir: str = "/dev/shm"
     write_timeout_s: float = 60.0
+    max_write_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -106,6 +128,8 @@ class TransportConfig:
             raise ConfigError(f"nixl_workers must be at least 1, got {self.nixl_workers}")
         if self.write_timeout_s <= 0:
             raise ConfigError(f"write_timeout_s must be positive, got {self.write_timeout_s}")
+        if self.max_write_s is not None and self.max_write_s <= 0:
+            raise ConfigError(f"max_write_s must be positive (or None), got {self.max_write_s}")
 
 
 class RegionDescriptor(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -200,6 +224,52 @@ Slice = tuple[int, int, int]
 """(local_offset, remote_offset, length) of one write within a (LocalRegion, RemoteRegion) pair."""
 
 
+@dataclass(frozen=True, slots=True)
+class WriteBound:
+    """When one write may move bytes: it starts only before `not_after` (`time.monotonic()`; None: any time), and
+    once started no piece of it starts `max_write_s` or more later (None: it is never cut)."""
+
+    not_after: float | None = None
+    max_write_s: float | None = None
+
+    def expired(self, now: float) -> bool:
+        """Whether a write that has not started may no longer start at `now`."""
+        return self.not_after is not None and now >= self.not_after
+
+    def pieces(self, slices: Sequence[Slice], max_slices: int = 0) -> Iterator[tuple[Slice, ...]]:
+        """`slices` in order, in groups of at most `max_slices` slices (0: any number) and, when the write is
+        bounded by `max_write_s`, of at most `PIECE_BYTES` bytes (a longer slice is split)."""
+        limit = PIECE_BYTES if self.max_write_s is not None else 0
+        piece: list[Slice] = []
+        size = 0
+        for s_off, d_off, length in slices:
+            done = 0
+            while done < length:
+                take = length - done if not limit else min(length - done, limit - size)
+                piece.append((s_off + done, d_off + done, take))
+                size, done = size + take, done + take
+                if (limit and size >= limit) or len(piece) == max_slices:
+                    yield tuple(piece)
+                    piece, size = [], 0
+        if piece:
+            yield tuple(piece)
+
+    def move(self, slices: Sequence[Slice], move_piece: Callable[[tuple[Slice, ...]], str], max_slices: int = 0) -> str:
+        """Move `slices` piece by piece with `move_piece` (which returns "" or why it failed), on the thread that moves
+        the bytes: `LEASE_EXPIRED` before the first piece if `not_after` has passed, `WRITE_CUT` before a later piece
+        once `max_write_s` has; otherwise the first failure, or "" when every piece moved."""
+        started = time.monotonic()
+        if self.expired(started):
+            return LEASE_EXPIRED
+        for index, piece in enumerate(self.pieces(slices, max_slices)):
+            if index and self.max_write_s is not None and time.monotonic() - started >= self.max_write_s:
+                return WRITE_CUT
+            reason = move_piece(piece)
+            if reason:
+                return reason
+        return ""
+
+
 class DataTransport(ABC):
     """Base of every data backend. Public methods are final; backends implement the `_` hooks.
 
@@ -208,7 +278,8 @@ class DataTransport(ABC):
     - `_allocate(nbytes, region_id, pinned) -> tensor`: memory a peer can write into (default: a fresh tensor,
       page-locked for CUDA when `pinned`);
     - `_unregister(region)`, `_export_payload(region) -> bytes`, `_import(desc, key)`, `_forget(remote)`;
-    - `_submit(transfer_id, src, dst, slices) -> str`: start the writes; return "" or a failure reason;
+    - `_submit(transfer_id, src, dst, slices, bound) -> str`: start the writes, moving their bytes only as
+      `bound` allows (`WriteBound.move` on the thread that moves them); return "" or a failure reason;
     - `_progress() -> list[Completion]`: completions of submitted transfers since the last call;
     - `_close()`: release backend resources.
     """
@@ -304,12 +375,26 @@ class DataTransport(ABC):
                 self._forget(remote)
 
     # ---- writes --------------------------------------------------------------------------------------------
-    def write(self, src: LocalRegion, src_offset: int, dst: RemoteRegion, dst_offset: int, length: int) -> int:
+    def write(
+        self,
+        src: LocalRegion,
+        src_offset: int,
+        dst: RemoteRegion,
+        dst_offset: int,
+        length: int,
+        *,
+        not_after: float | None = None,
+    ) -> int:
         """Start one write of `src[src_offset:+length]` into `dst[dst_offset:+length]`; returns its transfer id."""
-        return self.write_batch(src, dst, ((src_offset, dst_offset, length),))
+        return self.write_batch(src, dst, ((src_offset, dst_offset, length),), not_after=not_after)
 
-    def write_batch(self, src: LocalRegion, dst: RemoteRegion, slices: Sequence[Slice]) -> int:
-        """Start one write per slice between one region pair; one transfer id completes when all have landed."""
+    def write_batch(
+        self, src: LocalRegion, dst: RemoteRegion, slices: Sequence[Slice], *, not_after: float | None = None
+    ) -> int:
+        """Start one write per slice between one region pair; one transfer id completes when all have landed.
+
+        `not_after` (a `time.monotonic()` reading, None: no limit): the write moves no byte unless it starts before
+        then, checked here and again right before its first byte moves; else it fails with `LEASE_EXPIRED`."""
         if not slices:
             raise ValueError("write_batch needs at least one slice")
         for s_off, d_off, length in slices:
@@ -318,10 +403,11 @@ class DataTransport(ABC):
         with self._lock:
             self._check_open()
             transfer_id = next(self._ids)
-            reason = self._precheck(src, dst, slices)
+            bound = WriteBound(not_after, self.config.max_write_s)
+            reason = LEASE_EXPIRED if bound.expired(time.monotonic()) else self._precheck(src, dst, slices)
             if not reason:
                 self._ops_issued += len(slices)
-                reason = self._submit(transfer_id, src, dst, slices)
+                reason = self._submit(transfer_id, src, dst, slices, bound)
             if reason:
                 self._ready.append(Completion(transfer_id, False, reason, len(slices)))
                 self._completed()
@@ -427,7 +513,9 @@ class DataTransport(ABC):
     def _forget(self, remote: RemoteRegion) -> None: ...
 
     @abstractmethod
-    def _submit(self, transfer_id: int, src: LocalRegion, dst: RemoteRegion, slices: Sequence[Slice]) -> str: ...
+    def _submit(
+        self, transfer_id: int, src: LocalRegion, dst: RemoteRegion, slices: Sequence[Slice], bound: WriteBound
+    ) -> str: ...
 
     @abstractmethod
     def _progress(self) -> list[Completion]: ...

@@ -13,7 +13,10 @@ segment when any process that merely attached to it exits. A segment left behind
 SIGKILL is swept by the next `LocalTransport` started by the same user.
 
 Invariants: a write to a peer whose process has died, or that has released the segment, fails with a reason
-and `peer_gone` before any byte is copied; a failed copy becomes a failed completion and the copy thread keeps running.
+and `peer_gone` before any byte is copied; a write whose `not_after` has passed when the copy thread takes it up
+copies nothing (`LEASE_EXPIRED`); with `max_write_s`, the copy goes in pieces and stops between two once
+`max_write_s` has passed since it began; a failed copy becomes a failed completion and the copy thread keeps
+running.
 Called through `kvstage.transport.data.create_transport`.
 """
 
@@ -40,6 +43,7 @@ from kvstage.transport.data.base import (
     RemoteRegion,
     Slice,
     TransportConfig,
+    WriteBound,
 )
 from kvstage.transport.data.workers import JobRunner
 
@@ -71,6 +75,7 @@ class _Job:
     src: torch.Tensor
     dst: _Segment
     slices: tuple[Slice, ...]
+    bound: WriteBound
 
     @property
     def ops(self) -> int:
@@ -151,9 +156,11 @@ class LocalTransport(DataTransport):
         self._mapped.pop(remote.key, None)
 
     # ---- writes --------------------------------------------------------------------------------------------
-    def _submit(self, transfer_id: int, src: LocalRegion, dst: RemoteRegion, slices: Sequence[Slice]) -> str:
-        self._copier.submit(_Job(transfer_id, src.tensor, self._mapped[dst.key], tuple(slices)))
-        return ""  # the copy thread checks that the peer is still there before the first byte (`_run_job`)
+    def _submit(
+        self, transfer_id: int, src: LocalRegion, dst: RemoteRegion, slices: Sequence[Slice], bound: WriteBound
+    ) -> str:
+        self._copier.submit(_Job(transfer_id, src.tensor, self._mapped[dst.key], tuple(slices), bound))
+        return ""  # the copy thread checks the peer and the bound right before the first byte (`_run_job`)
 
     def _progress(self) -> list[Completion]:
         return self._copier.drain()
@@ -167,17 +174,22 @@ class LocalTransport(DataTransport):
 
 
 def _run_job(job: _Job) -> Completion:
-    """Copy every slice of `job`; any error fails the whole transfer with its reason."""
+    """Copy every slice of `job`, piece by piece as its bound allows; any error fails the whole transfer."""
     reason = _peer_gone(job.dst)
     if reason:
         return Completion(job.transfer_id, False, reason, len(job.slices), peer_gone=True)
+    reason = job.bound.move(job.slices, lambda piece: _copy(job, piece))
+    return Completion(job.transfer_id, not reason, reason, len(job.slices))
+
+
+def _copy(job: _Job, piece: tuple[Slice, ...]) -> str:
     try:
-        for s_off, d_off, length in job.slices:
+        for s_off, d_off, length in piece:
             job.dst.tensor[d_off : d_off + length].copy_(job.src[s_off : s_off + length])
     except (RuntimeError, OSError) as err:
         log.warning("local write %d into %s failed: %s", job.transfer_id, job.dst.path.name, err)
-        return Completion(job.transfer_id, False, f"copy into {job.dst.path.name} failed: {err}", len(job.slices))
-    return Completion(job.transfer_id, True, "", len(job.slices))
+        return f"copy into {job.dst.path.name} failed: {err}"
+    return ""
 
 
 def _peer_gone(segment: _Segment) -> str:

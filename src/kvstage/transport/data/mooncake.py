@@ -16,6 +16,12 @@ listening port, every segment removed at close), which would bury the caller's o
 is set, kvstage sets it to WARNING before the engine module loads (it is read then): warnings and errors still
 show. `GLOG_minloglevel` has no effect on this wheel.
 
+Bounded writes. A batch call is made only if the write's `not_after` has not passed when its worker is about to
+make it (`LEASE_EXPIRED` otherwise); with `TransportConfig.max_write_s`, the write goes in calls of at most
+`PIECE_BYTES` and none is made once `max_write_s` has passed since the first. Once a call is made, kvstage cannot
+stop it: the binding gives up waiting after `MC_TRANSFER_TIMEOUT` (30 s by default, at least 5 s, plus a second per
+GiB) and frees the batch while its slices may still be moving (docs/transports.md).
+
 Invariants: a rejected, unreachable or timed-out write becomes a failed completion naming the peer session (with
 `peer_gone` when the peer's handshake port refuses connections: Mooncake itself gives every failure code -1); the
 engine enforces on the reader side that a write lands inside registered memory, and `DataTransport` checks
@@ -43,6 +49,7 @@ from kvstage.transport.data.base import (
     RemoteRegion,
     Slice,
     TransportConfig,
+    WriteBound,
 )
 from kvstage.transport.data.workers import JobRunner
 
@@ -66,15 +73,18 @@ class _MooncakeRef(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 @dataclass(frozen=True, slots=True)
 class _Write:
+    """One write for a worker: `slices` from local memory at `src` into the peer engine `session`'s memory at `dst`."""
+
     transfer_id: int
     session: str
-    sources: list[int]
-    targets: list[int]
-    lengths: list[int]
+    src: int
+    dst: int
+    slices: tuple[Slice, ...]
+    bound: WriteBound
 
     @property
     def ops(self) -> int:
-        return len(self.lengths)
+        return len(self.slices)
 
 
 def load_engine_class() -> Any:
@@ -138,35 +148,35 @@ class MooncakeTransport(DataTransport):
     def _forget(self, remote: RemoteRegion) -> None:
         self._peers.pop(remote.key, None)
 
-    def _submit(self, transfer_id: int, src: LocalRegion, dst: RemoteRegion, slices: Sequence[Slice]) -> str:
+    def _submit(
+        self, transfer_id: int, src: LocalRegion, dst: RemoteRegion, slices: Sequence[Slice], bound: WriteBound
+    ) -> str:
         peer = self._peers[dst.key]
-        self._writer.submit(
-            _Write(
-                transfer_id,
-                peer.session,
-                [src.address + s_off for s_off, _, _ in slices],
-                [peer.address + d_off for _, d_off, _ in slices],
-                [length for _, _, length in slices],
-            )
-        )
+        self._writer.submit(_Write(transfer_id, peer.session, src.address, peer.address, tuple(slices), bound))
         return ""
 
     def _run(self, write: _Write) -> Completion:
-        rc = 0
-        for start in range(0, write.ops, _MAX_TASKS_PER_CALL):
-            end = start + _MAX_TASKS_PER_CALL
+        """On a worker thread: one blocking batch call per piece, as the write's bound allows."""
+        gone = False
+
+        def call(piece: tuple[Slice, ...]) -> str:
+            nonlocal gone
             rc = self._engine.batch_transfer_sync_write(
-                write.session, write.sources[start:end], write.targets[start:end], write.lengths[start:end]
+                write.session,
+                [write.src + s_off for s_off, _, _ in piece],
+                [write.dst + d_off for _, d_off, _ in piece],
+                [length for _, _, length in piece],
             )
-            if rc != 0:
-                break
-        if rc != 0:
+            if rc == 0:
+                return ""
             gone = _peer_gone(write.session)
             cause = "nothing listens on its handshake port any more" if gone else "peer unreachable or rejected it"
-            reason = f"mooncake write to {write.session} failed (code {rc}): {cause}"
+            return f"mooncake write to {write.session} failed (code {rc}): {cause}"
+
+        reason = write.bound.move(write.slices, call, _MAX_TASKS_PER_CALL)
+        if reason:
             log.warning("transfer %d: %s", write.transfer_id, reason)
-            return Completion(write.transfer_id, False, reason, write.ops, peer_gone=gone)
-        return Completion(write.transfer_id, True, "", write.ops)
+        return Completion(write.transfer_id, not reason, reason, write.ops, peer_gone=gone)
 
     def _progress(self) -> list[Completion]:
         return self._writer.drain()

@@ -37,11 +37,20 @@ agent spins a core even when idle; on a small CPU machine that starves the copie
 `TransportConfig.nixl_progress_delay_us` (100 us by default; 0 restores NIXL's own), applied by handing
 `nixl_agent.__init__` a bindings module whose `nixlAgent` sets `pthrDelay` on the config it receives.
 
+Bounded writes. A write is posted only if its `not_after` has not passed when its worker is about to post it
+(`LEASE_EXPIRED` otherwise). With `TransportConfig.max_write_s`, it is posted in pieces of at most `PIECE_BYTES`, one
+after the other, and no piece is posted once `max_write_s` has passed since the first; and the first NIXL transport
+of a process sets UCX's own bounds on a posted request from it, unless the user set them: `UCX_TCP_USER_TIMEOUT`
+(unacknowledged data closes the connection) and `UCX_RC_TIMEOUT` / `UCX_RC_RETRY_COUNT` (an RC or DC queue pair
+that gets no acknowledgement fails), see `_ucx_timeouts`. Releasing a NIXL request does not stop it (UCX's
+`ucp_request_cancel` cancels tag receives only), so those UCX timeouts are what bounds a posted write
+(docs/transports.md).
+
 Invariants: every NIXL error (a write outside the peer's registered memory, a disconnected peer, a backend
 error) becomes a failed completion with NIXL's status in the reason (NIXL_ERR_REMOTE_DISCONNECT, which NIXL raises
 within milliseconds of the peer's death, also sets `peer_gone`); a request still in progress after
-`TransportConfig.write_timeout_s` fails as timed out and is cancelled. Called through
-`kvstage.transport.data.create_transport`.
+`TransportConfig.write_timeout_s` is reported failed as timed out and its handle released (which does not stop
+it: see "Bounded writes"). Called through `kvstage.transport.data.create_transport`.
 """
 
 from __future__ import annotations
@@ -68,6 +77,7 @@ from kvstage.transport.data.base import (
     RemoteRegion,
     Slice,
     TransportConfig,
+    WriteBound,
 )
 from kvstage.transport.data.workers import JobRunner
 
@@ -78,6 +88,8 @@ log = logging.getLogger(__name__)
 _WORKERS = 4
 #: How often a worker asks NIXL whether its write is done.
 _POLL_S = 0.0001
+#: UCX's RC retry count (its default), which kvstage sets next to `UCX_RC_TIMEOUT` so that their product is known.
+_RC_RETRIES = 7
 
 
 class _NixlRef(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -89,16 +101,29 @@ class _NixlRef(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 @dataclass(frozen=True, slots=True)
 class _Write:
-    """One write for a worker: `[address, length]` rows on both sides, to the agent named `owner`."""
+    """One write for a worker: `slices` from local memory at `src` to the memory of agent `owner` at `dst`."""
 
     transfer_id: int
     owner: str
-    local: np.ndarray
-    remote: np.ndarray
+    src: int
+    dst: int
+    slices: tuple[Slice, ...]
+    bound: WriteBound
 
     @property
     def ops(self) -> int:
-        return len(self.local)
+        return len(self.slices)
+
+    def rows(self, piece: tuple[Slice, ...]) -> tuple[np.ndarray, np.ndarray]:
+        """NIXL's `[address, length, device]` rows of `piece`, on the local and on the remote side."""
+        slices = np.array(piece, dtype=np.uint64).reshape(-1, 3)
+        local = np.zeros((len(slices), 3), dtype=np.uint64)
+        local[:, 0] = slices[:, 0] + np.uint64(self.src)
+        local[:, 1] = slices[:, 2]
+        remote = np.zeros_like(local)
+        remote[:, 0] = slices[:, 1] + np.uint64(self.dst)
+        remote[:, 1] = slices[:, 2]
+        return local, remote
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,6 +168,19 @@ def load_nixl() -> _Nixl:
         errors,
         _bindings.nixlRemoteDisconnectError,
     )
+
+
+def _ucx_timeouts(max_write_s: float) -> dict[str, str]:
+    """UCX settings that make a posted request that gets no acknowledgement fail within `max_write_s`: TCP closes a
+    connection whose data stays unacknowledged that long; an RC/DC queue pair fails after (retries + 1) transport
+    timeouts, and InfiniBand rounds the timeout up to 4.096 us times a power of two (up to twice the value), so each
+    gets max_write_s / (2 * (retries + 1))."""
+    rc_timeout_us = max(1, int(max_write_s / (2 * (_RC_RETRIES + 1)) * 1e6))
+    return {
+        "UCX_TCP_USER_TIMEOUT": f"{max(1, int(max_write_s * 1000))}ms",
+        "UCX_RC_TIMEOUT": f"{rc_timeout_us}us",
+        "UCX_RC_RETRY_COUNT": str(_RC_RETRIES),
+    }
 
 
 def _backend_params(config: TransportConfig) -> dict[str, str]:
@@ -194,6 +232,9 @@ class NixlTransport(DataTransport):
         super().__init__(config)
         if not config.nixl_rdma and "UCX_MODULES" not in os.environ:
             os.environ["UCX_MODULES"] = "^ib"
+        if config.max_write_s is not None:
+            for name, value in _ucx_timeouts(config.max_write_s).items():
+                os.environ.setdefault(name, value)  # read by UCX when the agent's backend starts, below
         self._errors: tuple[type[Exception], ...] = (*nixl.errors, RuntimeError)  # RuntimeError: other C++ errors
         self._disconnected = nixl.disconnected
         try:
@@ -264,34 +305,42 @@ class NixlTransport(DataTransport):
         except self._errors as err:
             log.warning("NIXL could not remove remote agent %r: %s", remote.owner, err)
 
-    def _submit(self, transfer_id: int, src: LocalRegion, dst: RemoteRegion, slices: Sequence[Slice]) -> str:
-        rows = np.array(slices, dtype=np.uint64).reshape(-1, 3)
-        local = np.zeros((len(rows), 3), dtype=np.uint64)
-        local[:, 0] = rows[:, 0] + np.uint64(src.address)
-        local[:, 1] = rows[:, 2]
-        remote = np.zeros_like(local)
-        remote[:, 0] = rows[:, 1] + np.uint64(self._peers[dst.key])
-        remote[:, 1] = rows[:, 2]
-        self._writer.submit(_Write(transfer_id, dst.owner, local, remote))
+    def _submit(
+        self, transfer_id: int, src: LocalRegion, dst: RemoteRegion, slices: Sequence[Slice], bound: WriteBound
+    ) -> str:
+        self._writer.submit(_Write(transfer_id, dst.owner, src.address, self._peers[dst.key], tuple(slices), bound))
         return ""
 
     def _run(self, write: _Write) -> Completion:
-        """On a worker thread: post the write, wait for NIXL to finish it (or the timeout), release its handle."""
-        handle = None
+        """On a worker thread: post the write piece by piece as its bound allows, waiting for each."""
         gone = False
-        try:
-            local_descs = self._agent.get_xfer_descs(write.local, "DRAM")
-            remote_descs = self._agent.get_xfer_descs(write.remote, "DRAM")
-            handle = self._agent.initialize_xfer("WRITE", local_descs, remote_descs, write.owner)
-            reason = self._wait(handle, self._agent.transfer(handle), write.owner)
-        except self._errors as err:
-            gone = isinstance(err, self._disconnected)
-            reason = f"nixl write to {write.owner!r} failed: {type(err).__name__} {err}"
-        finally:
-            self._release(handle)
+
+        def post(piece: tuple[Slice, ...]) -> str:
+            nonlocal gone
+            reason, gone = self._post(write, piece)
+            return reason
+
+        reason = write.bound.move(write.slices, post)
         if reason:
             log.warning("transfer %d: %s", write.transfer_id, reason)
         return Completion(write.transfer_id, not reason, reason, write.ops, peer_gone=gone)
+
+    def _post(self, write: _Write, piece: tuple[Slice, ...]) -> tuple[str, bool]:
+        """Post one piece, wait for NIXL to finish it (or the timeout), release its handle: why it failed (or "")
+        and whether NIXL said the peer is gone."""
+        handle = None
+        try:
+            local, remote = write.rows(piece)
+            local_descs = self._agent.get_xfer_descs(local, "DRAM")
+            remote_descs = self._agent.get_xfer_descs(remote, "DRAM")
+            handle = self._agent.initialize_xfer("WRITE", local_descs, remote_descs, write.owner)
+            return self._wait(handle, self._agent.transfer(handle), write.owner), False
+        except self._errors as err:
+            return f"nixl write to {write.owner!r} failed: {type(err).__name__} {err}", isinstance(
+                err, self._disconnected
+            )
+        finally:
+            self._release(handle)
 
     def _wait(self, handle: Any, state: str, owner: str) -> str:
         """Empty once the write is done, else why it failed; polls every `_POLL_S` up to the write timeout."""
