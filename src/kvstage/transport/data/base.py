@@ -28,8 +28,9 @@ Bounded writes (the writer lease, docs/transports.md). `write`/`write_batch` tak
 reading): no byte of the write moves unless the backend starts moving it before then; checked again at the last
 moment (on the worker thread, right before the copy or the post), else the write completes failed with reason
 `LEASE_EXPIRED`. With `TransportConfig.max_write_s` set, a write moves in pieces of at most `PIECE_BYTES` and no
-piece starts `max_write_s` or more after the write started (the rest fails as `WRITE_CUT`); nixl also sets UCX's
-own timeouts from it. What a backend cannot bound once bytes are posted is listed in docs/transports.md.
+piece starts half of `max_write_s` or more after the write started (the rest fails as `WRITE_CUT`), which leaves
+the last piece the other half to land; nixl also sets UCX's own timeouts from it. What a backend cannot bound
+once bytes are posted is listed in docs/transports.md.
 
 Invariants:
 - every transfer id returned by `write`/`write_batch` appears in exactly one `Completion` from `poll`;
@@ -77,7 +78,7 @@ BACKENDS = ("local", "mooncake", "nixl")
 LEASE_EXPIRED = "lease expired"
 """Reason of a write refused because its `not_after` had passed before its first byte would move."""
 
-WRITE_CUT = "write cut: max_write_s had passed since it started, the rest was not sent"
+WRITE_CUT = "write cut: half of max_write_s had passed since it started, the rest was not sent"
 """Reason of a bounded write stopped between two pieces (the pieces before it may have landed)."""
 
 PIECE_BYTES = 8 << 20
@@ -97,7 +98,7 @@ class TransportConfig:
     local backend puts its shared-memory segments. `write_timeout_s` is how long a NIXL worker waits for a posted
     write before reporting it failed (Mooncake's binding waits `MC_TRANSFER_TIMEOUT`, 30 s by default); neither
     stops bytes already posted. `max_write_s` (None: unbounded) bounds every write's lifetime: no piece of a write
-    starts `max_write_s` or more after the write started, and nixl sets UCX's transport timeouts from it
+    starts half of `max_write_s` or more after the write started, and nixl sets UCX's transport timeouts from it
     (docs/transports.md says what each backend bounds and what it cannot).
     """
 
@@ -227,7 +228,8 @@ Slice = tuple[int, int, int]
 @dataclass(frozen=True, slots=True)
 class WriteBound:
     """When one write may move bytes: it starts only before `not_after` (`time.monotonic()`; None: any time), and
-    once started no piece of it starts `max_write_s` or more later (None: it is never cut)."""
+    once started no piece of it starts half of `max_write_s` or more later (None: it is never cut), so that the last
+    piece has the other half to land."""
 
     not_after: float | None = None
     max_write_s: float | None = None
@@ -257,12 +259,12 @@ class WriteBound:
     def move(self, slices: Sequence[Slice], move_piece: Callable[[tuple[Slice, ...]], str], max_slices: int = 0) -> str:
         """Move `slices` piece by piece with `move_piece` (which returns "" or why it failed), on the thread that moves
         the bytes: `LEASE_EXPIRED` before the first piece if `not_after` has passed, `WRITE_CUT` before a later piece
-        once `max_write_s` has; otherwise the first failure, or "" when every piece moved."""
+        once half of `max_write_s` has; otherwise the first failure, or "" when every piece moved."""
         started = time.monotonic()
         if self.expired(started):
             return LEASE_EXPIRED
         for index, piece in enumerate(self.pieces(slices, max_slices)):
-            if index and self.max_write_s is not None and time.monotonic() - started >= self.max_write_s:
+            if index and self.max_write_s is not None and time.monotonic() - started >= self.max_write_s / 2:
                 return WRITE_CUT
             reason = move_piece(piece)
             if reason:

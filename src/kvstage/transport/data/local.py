@@ -15,7 +15,7 @@ SIGKILL is swept by the next `LocalTransport` started by the same user.
 Invariants: a write to a peer whose process has died, or that has released the segment, fails with a reason
 and `peer_gone` before any byte is copied; a write whose `not_after` has passed when the copy thread takes it up
 copies nothing (`LEASE_EXPIRED`); with `max_write_s`, the copy goes in pieces and stops between two once
-`max_write_s` has passed since it began; a failed copy becomes a failed completion and the copy thread keeps
+half of `max_write_s` has passed since it began; a failed copy becomes a failed completion and the copy thread keeps
 running.
 Called through `kvstage.transport.data.create_transport`.
 """

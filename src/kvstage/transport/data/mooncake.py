@@ -18,9 +18,9 @@ show. `GLOG_minloglevel` has no effect on this wheel.
 
 Bounded writes. A batch call is made only if the write's `not_after` has not passed when its worker is about to
 make it (`LEASE_EXPIRED` otherwise); with `TransportConfig.max_write_s`, the write goes in calls of at most
-`PIECE_BYTES` and none is made once `max_write_s` has passed since the first. Once a call is made, kvstage cannot
-stop it: the binding gives up waiting after `MC_TRANSFER_TIMEOUT` (30 s by default, at least 5 s, plus a second per
-GiB) and frees the batch while its slices may still be moving (docs/transports.md).
+`PIECE_BYTES` and none is made once half of `max_write_s` has passed since the first. Once a call is made,
+kvstage cannot stop it: the binding gives up waiting after `MC_TRANSFER_TIMEOUT` (30 s by default, at least 5 s,
+plus a second per GiB) and frees the batch while its slices may still be moving (docs/transports.md).
 
 Invariants: a rejected, unreachable or timed-out write becomes a failed completion naming the peer session (with
 `peer_gone` when the peer's handshake port refuses connections: Mooncake itself gives every failure code -1); the

@@ -39,12 +39,12 @@ agent spins a core even when idle; on a small CPU machine that starves the copie
 
 Bounded writes. A write is posted only if its `not_after` has not passed when its worker is about to post it
 (`LEASE_EXPIRED` otherwise). With `TransportConfig.max_write_s`, it is posted in pieces of at most `PIECE_BYTES`, one
-after the other, and no piece is posted once `max_write_s` has passed since the first; and the first NIXL transport
-of a process sets UCX's own bounds on a posted request from it, unless the user set them: `UCX_TCP_USER_TIMEOUT`
-(unacknowledged data closes the connection) and `UCX_RC_TIMEOUT` / `UCX_RC_RETRY_COUNT` (an RC or DC queue pair
-that gets no acknowledgement fails), see `_ucx_timeouts`. Releasing a NIXL request does not stop it (UCX's
-`ucp_request_cancel` cancels tag receives only), so those UCX timeouts are what bounds a posted write
-(docs/transports.md).
+after the other, and no piece is posted once half of `max_write_s` has passed since the first; and the first NIXL
+transport of a process sets UCX's own bounds on a posted request from the other half, unless the user set them:
+`UCX_TCP_USER_TIMEOUT` (unacknowledged data closes the connection) and `UCX_RC_TIMEOUT` / `UCX_RC_RETRY_COUNT` (an
+RC or DC queue pair that gets no acknowledgement fails), see `_ucx_timeouts`. Releasing a NIXL request does not
+stop it (UCX's `ucp_request_cancel` cancels tag receives only), so those UCX timeouts are what bounds a posted
+write (docs/transports.md).
 
 Invariants: every NIXL error (a write outside the peer's registered memory, a disconnected peer, a backend
 error) becomes a failed completion with NIXL's status in the reason (NIXL_ERR_REMOTE_DISCONNECT, which NIXL raises
@@ -171,13 +171,14 @@ def load_nixl() -> _Nixl:
 
 
 def _ucx_timeouts(max_write_s: float) -> dict[str, str]:
-    """UCX settings that make a posted request that gets no acknowledgement fail within `max_write_s`: TCP closes a
-    connection whose data stays unacknowledged that long; an RC/DC queue pair fails after (retries + 1) transport
-    timeouts, and InfiniBand rounds the timeout up to 4.096 us times a power of two (up to twice the value), so each
-    gets max_write_s / (2 * (retries + 1))."""
-    rc_timeout_us = max(1, int(max_write_s / (2 * (_RC_RETRIES + 1)) * 1e6))
+    """UCX settings that make a posted request that gets no acknowledgement fail within half of `max_write_s` (the
+    other half is when pieces may be posted): TCP closes a connection whose data stays unacknowledged that long; an
+    RC/DC queue pair fails after (retries + 1) transport timeouts, and InfiniBand rounds the timeout up to 4.096 us
+    times a power of two (up to twice the value), so each gets (max_write_s / 2) / (2 * (retries + 1))."""
+    budget_s = max_write_s / 2
+    rc_timeout_us = max(1, int(budget_s / (2 * (_RC_RETRIES + 1)) * 1e6))
     return {
-        "UCX_TCP_USER_TIMEOUT": f"{max(1, int(max_write_s * 1000))}ms",
+        "UCX_TCP_USER_TIMEOUT": f"{max(1, int(budget_s * 1000))}ms",
         "UCX_RC_TIMEOUT": f"{rc_timeout_us}us",
         "UCX_RC_RETRY_COUNT": str(_RC_RETRIES),
     }
