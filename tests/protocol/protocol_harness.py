@@ -2,9 +2,11 @@
 
 Every Send is delivered (through the real codec, as bytes) unless a test's `drop` filter says otherwise; every
 WriteRegion / WriteDirect / Scatter / FenceScatter is completed ok on the next pump step unless the test holds
-it. At each WriteRegion the pump checks S1 on the destination ring: no other live allocation overlaps the
-written bytes. The seeded fault simulator lives in kvstage.sim; this harness only wires two or more endpoints
-together so that each rule can be shown in a short, readable test.
+it. A held write lands when the test releases it, even if its writer was fenced meanwhile (as a real one-sided
+write would). At each landing WriteRegion the pump checks that its region is still allocated (no late write into
+freed space) and S1 on the destination ring: no other live allocation overlaps the written bytes. The seeded
+fault simulator lives in kvstage.sim; this harness only wires two or more endpoints together so that each rule
+can be shown in a short, readable test.
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ class Pump:
     codec: Codec = field(default_factory=Codec)
     writes_landed: int = 0
     fenced: dict[tuple[str, str], tuple[int, int]] = field(default_factory=dict)  # (decode, writer) -> incarnation
+    posted: dict[tuple[str, int], float] = field(default_factory=dict)  # (writer, token) -> when its write was posted
 
     def call(self, name: str, event: Event) -> list[Action]:
         actions = self.endpoints[name].handle(event, self.now)
@@ -78,6 +81,7 @@ class Pump:
             case WriteRegion() | WriteDirect() | Scatter() | FenceScatter():
                 if self.hold is not None and self.hold(src, action):
                     self.held.append((src, action))
+                    self.posted[(src, action.token)] = self.now
                 else:
                     self.complete(src, action)
             case FreePages() | RoomSucceeded() | RoomFailed():
@@ -86,11 +90,17 @@ class Pump:
                 assert_never(action)
 
     def complete(self, src: str, action: Action, ok: bool = True) -> None:
-        """Deliver the completion of `action` (a held one, or one just issued)."""
-        if isinstance(action, WriteRegion):
-            self._land(src, action)
+        """Deliver the completion of `action` (a held one, or one just issued). A write held longer than
+        `Timing.max_write_s` fails without landing: the transports' bound on a write's lifetime."""
         assert isinstance(action, WriteRegion | WriteDirect | Scatter | FenceScatter)
-        self.queue.append((src, Completion(action.token, ok, "" if ok else "injected failure")))
+        reason = "" if ok else "injected failure"
+        if isinstance(action, WriteRegion | WriteDirect):
+            posted = self.posted.pop((src, action.token), self.now)
+            if ok and self.now - posted > TIMING.max_write_s:
+                ok, reason = False, "write timed out"
+        if ok and isinstance(action, WriteRegion):
+            self._land(src, action)
+        self.queue.append((src, Completion(action.token, ok, reason)))
 
     def release_held(self, ok: bool = True) -> None:
         held, self.held = self.held, []
@@ -98,15 +108,15 @@ class Pump:
             self.complete(src, action, ok)
 
     def _land(self, src: str, write: WriteRegion) -> None:
-        fence = self.fenced.get((write.peer, src))
-        if fence is not None and (write.writer_session, write.writer_epoch) <= fence:
-            return  # the transport drops writes of a fenced incarnation
+        """A write lands whenever its completion is released, fenced writer or not (a one-sided write cannot be
+        recalled): its region must still be allocated to it, and no other live allocation may overlap it."""
         decode = self.endpoints[write.peer]
         assert isinstance(decode, DecodeEndpoint)
         if decode.session != write.dst_session:
             return  # aimed at a ring of a decode process that has restarted since: the old registration is gone
         start, end = write.dst_offset, write.dst_offset + write.block.nbytes
         assert write.region.offset <= start and end <= write.region.end, "write outside its grant"
+        assert write.region in decode.ring.live(), f"late write: {write} lands after its region was freed"
         for other in decode.ring.live():  # older live allocations may hold data; newer ones wait for this one
             if other.epoch < write.region.epoch and other.offset < end and start < other.end:
                 raise AssertionError(f"S1: write {write} overlaps live allocation {other}")

@@ -47,7 +47,9 @@ incarnations on envelopes, stale ones dropped and counted; R8 heartbeats both wa
 pruned; R9 chunks wait for ring space parked per peer and re-checked on watermark moves; R10 every inbound
 field checked against the room, unknown rooms allocate nothing, per-peer caps; R11 staging requested in chunk
 order for chunks about to be computed, at most `Limits.max_chunks_ahead` ahead; R12 matched TP or MLA rooms
-go direct (page to page) through the same endpoints. docs/protocol.md has the state tables and diagrams.
+go direct (page to page) through the same endpoints; R13 a writer posts writes only under a lease that decode's
+frames renew, and decode reuses a fenced writer's space only once `Timing.quarantine_s` bounds its last write.
+docs/protocol.md has the state tables and diagrams.
 
 Failure reasons: reasons.py (`FAILURE_REASONS`), e.g. "peer dead", "aborted by decode", "aborted by prefill",
 "timeout", "transfer failed", "staging oversized", "send failed", "room closed"; grant refusals "unknown room".

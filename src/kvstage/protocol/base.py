@@ -10,6 +10,9 @@ Owns, for both DecodeEndpoint and PrefillEndpoint:
   but partitioned peer bumps its epoch towards us and is served again. A peer silent past
   `Timing.dead_after_s` is declared dead: its rooms are lost with reason "peer dead", its incarnation fenced,
   and it is pruned from the table (and from every broadcast);
+- the writer lease clocks: every envelope carries `stamp` (our `now`) and `echo` (the highest stamp heard from the
+  addressee's current incarnation); an echo of one of our own stamps, from a peer, renews `lease_until(peer)`:
+  the peer received a frame we sent at that time, so it heard from us then (docs/protocol.md, "Writer leases");
 - retries (R4) through `Retrier`, heartbeats both ways every `Timing.heartbeat_s`, room deadlines;
 - counters (`EndpointStats`) and the bounded fence and closed-room records (R10).
 
@@ -64,7 +67,10 @@ class Peer:
     rooms: dict[int, None] = field(default_factory=dict)  # rooms that still need this peer (ordered set)
     watermark: Watermark | None = None  # prefill side: highest watermark seen from this decode peer
     parked: dict[tuple[int, int], None] = field(default_factory=dict)  # prefill side: (room, chunk) parked
+    lease_parked: bool = False  # prefill side: a chunk parked because the lease towards this peer had lapsed
     sent_metadata: bool = False  # prefill side: it sent Metadata this rank accepted, so it is a decode rank
+    stamp_seen: float | None = None  # highest stamp heard from its current incarnation: the echo we send it
+    echo: float | None = None  # latest of our own stamps that its current incarnation echoed: our lease base
 
 
 class BoundedRecord(OrderedDict[Any, Any]):
@@ -105,6 +111,7 @@ class EndpointCore(ABC):
         self._next_token = 0
         self._seq = 0
         self._now = 0.0
+        self._born: float | None = None  # our clock at our first event: an echo from before it is not ours
         self._out: list[Action] = []
         self._timer: float | None = None
         self._timer_stale = True
@@ -121,6 +128,8 @@ class EndpointCore(ABC):
     def handle(self, event: Event, now: float) -> list[Action]:
         """Apply `event` at time `now`; return the actions to carry out, in order."""
         self._now = now
+        if self._born is None:
+            self._born = now
         out = self._out = []
         handler = self._event_handlers.get(type(event))
         if handler is None:
@@ -148,6 +157,14 @@ class EndpointCore(ABC):
     def peers(self) -> frozenset[str]:
         """Peer ids currently tracked (live or not yet declared dead)."""
         return frozenset(self._peers)
+
+    def lease_until(self, peer_id: str) -> float:
+        """Until when (in our clock) we may post a write to `peer_id`: `lease_s` after the latest of our frames it
+        has echoed; 0.0 if it has echoed none (or is not tracked). Whoever posts a write checks this at posting."""
+        peer = self._peers.get(peer_id)
+        if peer is None or peer.echo is None:
+            return 0.0
+        return peer.echo + self.timing.lease_s
 
     def pending_retries(self) -> int:
         """Requests still waiting for their answer."""
@@ -186,8 +203,8 @@ class EndpointCore(ABC):
     def _on_new_incarnation(self, peer: Peer) -> None:
         """subclass: a peer (re)appeared with a new incarnation (decode: send it the watermark at once)."""
 
-    def _on_envelope_watermark(self, peer: Peer, watermark: WireWatermark) -> None:
-        """subclass (prefill): an inbound envelope carried a watermark."""
+    def _on_heard(self, peer: Peer, envelope: Envelope) -> None:
+        """subclass (prefill): an admitted envelope may carry a higher watermark or renew the lease."""
 
     def _after_event(self) -> None:
         """subclass: runs after every event (decode: broadcast a moved watermark)."""
@@ -195,6 +212,7 @@ class EndpointCore(ABC):
     # ---- sending ----------------------------------------------------------------------------------------------
     def _send(self, peer_id: str, body: Body) -> None:
         self._seq += 1
+        peer = self._peers.get(peer_id)
         envelope = Envelope(
             version=PROTOCOL_VERSION,
             sender=self.peer_id,
@@ -203,6 +221,8 @@ class EndpointCore(ABC):
             seq=self._seq,
             watermark=self._watermark(),
             body=body,
+            stamp=self._now,
+            echo=None if peer is None else peer.stamp_seen,
         )
         self._out.append(Send(peer_id, envelope))
 
@@ -244,18 +264,32 @@ class EndpointCore(ABC):
                 self.stats.reject("too many peers")
                 return None
             peer = self._ensure_peer(peer_id)
-        if peer.incarnation is None or incarnation > peer.incarnation:
+        fresh = peer.incarnation is None or incarnation > peer.incarnation
+        if fresh:
             if peer.incarnation is not None:
                 self.stats.peers_restarted += 1
                 self._fence(peer, reasons.PEER_RESTARTED)
             peer.incarnation = incarnation
             peer.watermark = None
-            self._on_new_incarnation(peer)
-        elif incarnation < peer.incarnation:
+            peer.stamp_seen = peer.echo = None
+        elif peer.incarnation is not None and incarnation < peer.incarnation:
             self.stats.stale_dropped += 1
             return None
         peer.last_heard = self._now
+        self._take_clocks(peer, envelope)
+        if fresh:
+            self._on_new_incarnation(peer)
         return peer
+
+    def _take_clocks(self, peer: Peer, envelope: Envelope) -> None:
+        """Remember the peer's stamp (to echo it) and its echo of ours (our lease base), if the echo can be ours:
+        a value outside [our first event, now] was not stamped by this incarnation of ours."""
+        if peer.stamp_seen is None or envelope.stamp > peer.stamp_seen:
+            peer.stamp_seen = envelope.stamp
+        echo = envelope.echo
+        born = self._born if self._born is not None else self._now
+        if echo is not None and born <= echo <= self._now and (peer.echo is None or echo > peer.echo):
+            peer.echo = echo
 
     def _fence(self, peer: Peer, reason: str) -> None:
         """`peer`'s current incarnation is gone: fence it (if it was ever heard) and settle its rooms."""
@@ -292,8 +326,7 @@ class EndpointCore(ABC):
         peer = self._admit(envelope)
         if peer is None:
             return
-        if envelope.watermark is not None:
-            self._on_envelope_watermark(peer, envelope.watermark)
+        self._on_heard(peer, envelope)
         body = envelope.body
         handler = self._body_handlers.get(type(body))
         if handler is None:

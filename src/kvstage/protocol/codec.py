@@ -3,7 +3,8 @@
 Owns: the byte format of a frame and the first line of defence against hostile or broken input. `decode`
 rejects, with `ProtocolError`, a frame larger than `max_frame_bytes`, bytes that are not msgpack, a value of
 the wrong type, a field outside its `Meta` bounds (see messages.py), an unknown body tag, extra fields, and a
-protocol version other than `PROTOCOL_VERSION`. It never raises anything else and never allocates more than
+protocol version other than `PROTOCOL_VERSION` (named in the error, even when that version's envelope has
+another shape). It never raises anything else and never allocates more than
 the frame's own size allows.
 
 Called by: the endpoints (`ReceivedFrame` events, counted as rejected frames), runtime/ (encode before a
@@ -27,7 +28,7 @@ DEFAULT_MAX_FRAME_BYTES: Final = 16 * 2**20
 class Codec:
     """Encodes envelopes to msgpack frames and decodes frames back, enforcing every bound."""
 
-    __slots__ = ("_decoder", "_encoder", "max_frame_bytes")
+    __slots__ = ("_decoder", "_encoder", "_head_decoder", "max_frame_bytes")
 
     def __init__(self, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> None:
         if max_frame_bytes <= 0:
@@ -35,6 +36,7 @@ class Codec:
         self.max_frame_bytes = max_frame_bytes
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(Envelope)
+        self._head_decoder = msgspec.msgpack.Decoder(_Head)
 
     def encode(self, envelope: Envelope) -> bytes:
         """The frame of `envelope`; `ProtocolError` if it would exceed `max_frame_bytes`."""
@@ -50,12 +52,32 @@ class Codec:
         try:
             envelope = self._decoder.decode(frame)
         except msgspec.ValidationError as exc:
+            self._refuse_other_version(frame)
             raise ProtocolError(f"invalid frame: {exc}") from exc
         except msgspec.DecodeError as exc:
             raise ProtocolError(f"undecodable frame: {exc}") from exc
         if envelope.version != PROTOCOL_VERSION:
-            raise ProtocolError(
-                f"frame has protocol version {envelope.version}, this endpoint speaks {PROTOCOL_VERSION}; "
-                "upgrade both sides to the same kvstage version"
-            )
+            raise _version_error(envelope.version)
         return envelope
+
+    def _refuse_other_version(self, frame: bytes | bytearray | memoryview) -> None:
+        """A frame that fails validation may be well formed for another protocol version: say so, if it is."""
+        try:
+            head = self._head_decoder.decode(frame)
+        except (msgspec.ValidationError, msgspec.DecodeError):
+            return
+        if head.version != PROTOCOL_VERSION:
+            raise _version_error(head.version)
+
+
+class _Head(msgspec.Struct, frozen=True, array_like=True):
+    """The first field of an envelope of any protocol version (later fields are ignored)."""
+
+    version: int
+
+
+def _version_error(version: int) -> ProtocolError:
+    return ProtocolError(
+        f"frame has protocol version {version}, this endpoint speaks {PROTOCOL_VERSION}; "
+        "upgrade both sides to the same kvstage version"
+    )

@@ -1,7 +1,7 @@
 """Static configuration of the protocol endpoints: timing, caps, and each side's identity and layout.
 
-Owns: `Timing` (heartbeats, liveness, retry backoff), `Limits` (per-peer caps that keep state bounded, R10),
-`DecodeConfig` and `PrefillConfig`. Validation happens here, at construction, so an endpoint never starts
+Owns: `Timing` (heartbeats, liveness, retry backoff, the writer lease), `Limits` (per-peer caps that keep state
+bounded, R10), `DecodeConfig` and `PrefillConfig`. Validation happens here, at construction, so an endpoint never starts
 with a configuration it cannot serve (R12: staging requires `validate_staging_config` to pass).
 
 Called by: runtime/ and sim/ (build), decode.py / prefill.py (read). Pure values.
@@ -9,32 +9,92 @@ Called by: runtime/ and sim/ (build), decode.py / prefill.py (read). Pure values
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Final, Literal
 
 from kvstage.errors import ConfigError
 from kvstage.layout import KVLayout, heads_of_rank, validate_staging_config
 from kvstage.protocol.messages import MAX_PEER_ID_LEN, MAX_TP
 
+#: `Timing.lease_s` and `Timing.max_write_s` left at 0 become this share of `dead_after_s` each.
+LEASE_SHARE: Final = 0.45
+
 
 @dataclass(frozen=True, slots=True)
 class Timing:
-    """Seconds, in the caller's clock. Defaults suit one host or one rack; every value must be positive."""
+    """Seconds, in the caller's clock. Defaults suit one host or one rack; every value must be positive.
+
+    The writer lease (docs/protocol.md, "Writer leases"): a writer posts a write to a decode rank only within
+    `lease_s` of sending a frame that rank has since echoed, and every posted write lands within `max_write_s` or
+    never (the transport's bound, docs/transports.md). So a fenced writer's writes can land until at most
+    `quarantine_s` after decode last heard from it, in decode's clock, whatever the two clocks read, as long as
+    their rates differ by at most `clock_drift`. A peer is declared dead after `dead_after_s` of silence, so
+    `dead_after_s >= quarantine_s` is required: a dead writer's ring space can then be reused at once.
+    `lease_s` and `max_write_s` left at 0 become `LEASE_SHARE * dead_after_s` each."""
 
     heartbeat_s: float = 0.5  # both directions; decode heartbeats also carry the watermark (R4, R8)
     dead_after_s: float = 5.0  # a peer silent this long is dead (R8)
     retry_initial_s: float = 0.05  # first retry of an unanswered request (R4)
     retry_max_s: float = 1.0  # backoff doubles up to this
+    lease_s: float = 0.0  # a writer's lease towards a decode rank, counted from its last echoed frame
+    max_write_s: float = 0.0  # the longest a posted write may take to land (or fail): the transport's bound
+    clock_drift: float = 0.001  # the largest relative rate difference between two peers' clocks
 
     def __post_init__(self) -> None:
-        for name in ("heartbeat_s", "dead_after_s", "retry_initial_s", "retry_max_s"):
-            if not getattr(self, name) > 0:
-                raise ConfigError(f"Timing.{name} must be positive, got {getattr(self, name)!r}")
+        self._derive()
+        for problem in self.problems():
+            raise ConfigError(problem)
+
+    @classmethod
+    def unchecked(cls, **fields: float) -> Timing:
+        """A Timing built without `problems()` checked: for tests that plant a bad configuration on purpose."""
+        timing = object.__new__(cls)
+        for f in dataclasses.fields(cls):
+            object.__setattr__(timing, f.name, fields.get(f.name, f.default))
+        timing._derive()
+        return timing
+
+    def _derive(self) -> None:
+        for name in ("lease_s", "max_write_s"):
+            if getattr(self, name) == 0:
+                object.__setattr__(self, name, LEASE_SHARE * self.dead_after_s)
+
+    @property
+    def quarantine_s(self) -> float:
+        """How long after decode last heard from a writer one of its writes may still land, in decode's clock."""
+        return (self.lease_s + self.max_write_s) * (1 + self.clock_drift) / (1 - self.clock_drift)
+
+    def problems(self) -> list[str]:
+        """Why this timing is unsafe or unworkable (empty when it is fine)."""
+        positive = ("heartbeat_s", "dead_after_s", "retry_initial_s", "retry_max_s", "lease_s", "max_write_s")
+        bad = [
+            f"Timing.{name} must be positive, got {getattr(self, name)!r}"
+            for name in positive
+            if not getattr(self, name) > 0
+        ]
+        if bad:
+            return bad
+        if not 0 <= self.clock_drift < 0.5:
+            return [f"Timing.clock_drift must be in [0, 0.5), got {self.clock_drift!r}"]
         if self.dead_after_s <= self.heartbeat_s:
-            raise ConfigError(
+            bad.append(
                 f"Timing.dead_after_s={self.dead_after_s} must exceed heartbeat_s={self.heartbeat_s}, "
                 "or live peers are declared dead between two heartbeats"
             )
+        if self.lease_s < 2 * self.heartbeat_s:
+            bad.append(
+                f"Timing.lease_s={self.lease_s} must be at least 2 * heartbeat_s={self.heartbeat_s}: a lease is "
+                "renewed by the peer's frames, and a heartbeat's round trip takes up to two heartbeat periods"
+            )
+        if self.dead_after_s < self.quarantine_s:
+            bad.append(
+                f"Timing.dead_after_s={self.dead_after_s} must be at least (lease_s + max_write_s) * (1 + drift) / "
+                f"(1 - drift) = {self.quarantine_s:.6g} (lease_s={self.lease_s}, max_write_s={self.max_write_s}, "
+                f"clock_drift={self.clock_drift}): a writer declared dead could otherwise still land a write in "
+                "ring space that was reused"
+            )
+        return bad
 
 
 @dataclass(frozen=True, slots=True)

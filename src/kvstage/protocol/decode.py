@@ -14,8 +14,10 @@ Inbound checks (R10, B1): a message for an unknown room allocates nothing and is
 must be < the room's chunk count; ChunkReady epochs must match the grant (R7, else dropped and counted).
 
 Invariants kept: a chunk's ring region is freed exactly once, after its scatter completed or after the room
-was fenced and every granted writer confirmed; KV pages are returned exactly once, on failure only, after
-the scatter fence (staged) or the writers' confirmation (direct); the watermark rides on every envelope and is
+was fenced and no write of a granted writer can land any more (R6, R13: that writer's own Abort or AbortAck
+from the incarnation that served the room; declared dead; or restarted, and `Timing.quarantine_s` has passed
+since its old incarnation was last heard); KV pages are returned exactly once, on failure only, after the
+scatter fence (staged) or once the writers are safe (direct); the watermark rides on every envelope and is
 broadcast to peers with open rooms whenever it moves. Called by runtime/ and sim/.
 """
 
@@ -81,7 +83,9 @@ class _Room:
     done_chunks: int = 0
     scatters_in_flight: int = 0
     granted: dict[str, None] = field(default_factory=dict)  # writers ever sent a grant (they may write)
-    confirmed: dict[str, None] = field(default_factory=dict)  # writers known to write nothing more
+    acked: dict[str, None] = field(default_factory=dict)  # writers that know the room ended (or are gone)
+    safe: dict[str, None] = field(default_factory=dict)  # writers none of whose writes can still land
+    safe_at: dict[str, float] = field(default_factory=dict)  # restarted writers: safe from then on (R13)
     bound: dict[str, tuple[int, int]] = field(default_factory=dict)  # writer -> incarnation that served the room
     pages_returned: bool = False
     regions_freed: bool = False
@@ -93,12 +97,17 @@ class _Room:
     def plan(self, chunk: int) -> StagingPlan:
         return self.plan_last if chunk == self.num_chunks - 1 else self.plan_full
 
-    def unconfirmed(self) -> list[str]:
-        return [w for w in self.writers if w not in self.confirmed]
+    def unacked(self) -> list[str]:
+        return [w for w in self.writers if w not in self.acked]
 
     def unsafe(self) -> bool:
-        """True while a granted writer has not confirmed that none of its writes can still land."""
-        return any(w not in self.confirmed for w in self.granted)
+        """True while a write of a granted writer may still land (R6, R13)."""
+        return any(w not in self.safe for w in self.granted)
+
+    def vouches(self, peer: Peer) -> bool:
+        """Whether `peer`'s word covers the room's writes: only the incarnation that served the room can say
+        that none of them can land any more (a restarted writer's new process knows nothing of the old one's)."""
+        return self.bound.get(peer.peer_id, peer.incarnation) == peer.incarnation
 
 
 class DecodeEndpoint(EndpointCore):
@@ -366,7 +375,7 @@ class DecodeEndpoint(EndpointCore):
         r = self._writer_room(peer, body.room, "Abort")
         self._send(peer.peer_id, AbortAck(room=body.room))
         if r is not None:
-            self._confirm(r, peer.peer_id)
+            self._acknowledge(r, peer.peer_id, safe=r.vouches(peer))
             self._fail(r, reasons.ABORTED_BY_PREFILL)
             self._settle(r)
 
@@ -375,7 +384,7 @@ class DecodeEndpoint(EndpointCore):
         if r is None or not DECODE_ROOM.can(r, _T.ABORT_ACK):
             self.stats.duplicates += 1
             return
-        self._confirm(r, peer.peer_id)
+        self._acknowledge(r, peer.peer_id, safe=r.vouches(peer))
         self._settle(r)
 
     # ---- completions, timers, peers ---------------------------------------------------------------------------
@@ -407,11 +416,22 @@ class DecodeEndpoint(EndpointCore):
 
     def _deadline_live(self, when: float, room: int) -> bool:
         r = self._rooms.get(room)
-        return r is not None and DECODE_ROOM.can(r, _T.FAIL) and r.deadline == when
+        if r is None:
+            return False
+        return (DECODE_ROOM.can(r, _T.FAIL) and r.deadline == when) or when in r.safe_at.values()
 
     def _on_deadline(self, when: float, room: int) -> None:
-        if self._deadline_live(when, room):
-            self._fail(self._rooms[room], reasons.TIMEOUT)
+        r = self._rooms.get(room)
+        if r is None:
+            return
+        if DECODE_ROOM.can(r, _T.FAIL) and r.deadline == when:
+            self._fail(r, reasons.TIMEOUT)
+        due = [writer for writer, at in r.safe_at.items() if at <= self._now]
+        for writer in due:
+            del r.safe_at[writer]
+            r.safe[writer] = None
+        if due:
+            self._settle(r)
 
     def _fail_by_id(self, room: int, peer_id: str, reason: str) -> None:
         r = self._rooms.get(room)
@@ -419,13 +439,29 @@ class DecodeEndpoint(EndpointCore):
             self._fail(r, reason)
 
     def _peer_lost(self, peer: Peer, room: int, reason: str) -> None:
+        """R6/R13: a dead writer was silent for dead_after_s >= quarantine_s, so none of its writes can land; a
+        restarted one's old process may still have writes in flight until last_heard + quarantine_s; a writer that
+        fenced us vouches for its writes only by its own Abort or AbortAck."""
         r = self._rooms[room]
         if reason != reasons.PEER_DEAD and peer.peer_id not in r.bound:
             return  # restarted or re-epoched, and no incarnation served this room yet: its retried metadata will
-        if reason != reasons.FENCED_BY_PEER:
-            self._confirm(r, peer.peer_id)  # its incarnation is fenced: none of its writes can land any more
+        if reason == reasons.PEER_DEAD:
+            self._acknowledge(r, peer.peer_id, safe=True)
+        elif reason == reasons.PEER_RESTARTED:
+            self._acknowledge(r, peer.peer_id, safe=False)
+            self._safe_later(r, peer.peer_id, peer.last_heard + self.timing.quarantine_s)
         self._fail(r, reason)
         self._settle(r)
+
+    def _safe_later(self, r: _Room, writer: str, at: float) -> None:
+        if writer in r.safe or writer not in r.granted:
+            return
+        if at <= self._now:
+            r.safe[writer] = None
+            return
+        self.stats.quarantine_timers += 1
+        r.safe_at[writer] = at
+        self._deadlines.push(at, r.room)
 
     def _watermark(self) -> WireWatermark:
         return self._wm_wire
@@ -453,7 +489,7 @@ class DecodeEndpoint(EndpointCore):
         self.stats.failures[reason] += 1
         self._out.append(RoomFailed(r.room, reason))
         self._retrier.stop_room(r.room)
-        for peer_id in r.unconfirmed():
+        for peer_id in r.unacked():
             self._request("abort", peer_id, Abort(room=r.room, reason=reason))
         if r.scatters_in_flight:
             DECODE_ROOM.move(r, _T.FAIL_SCATTERING, r.room)
@@ -475,8 +511,12 @@ class DecodeEndpoint(EndpointCore):
             r.pages_returned = True
             self._out.append(FreePages(r.room, r.pages))
 
-    def _confirm(self, r: _Room, peer_id: str) -> None:
-        r.confirmed[peer_id] = None
+    def _acknowledge(self, r: _Room, peer_id: str, *, safe: bool) -> None:
+        """`peer_id` knows the room ended (or is gone); with `safe`, none of its writes can land any more."""
+        r.acked[peer_id] = None
+        if safe:
+            r.safe[peer_id] = None
+            r.safe_at.pop(peer_id, None)
         self._answered("abort", peer_id, r.room)
         peer = self._peers.get(peer_id)
         if peer is not None:
@@ -493,7 +533,7 @@ class DecodeEndpoint(EndpointCore):
                     self._ring.free(chunk.region)
                     chunk.region = None
         self._free_pages(r)
-        if not r.unconfirmed():
+        if not r.unacked():
             DECODE_ROOM.move(r, _T.FORGET, r.room)
             self._forget(r, r.reason)
 

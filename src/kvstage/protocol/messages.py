@@ -9,7 +9,10 @@ Envelope: `version` (must equal `PROTOCOL_VERSION`), `sender` (the sending endpo
 `session` + `epoch` (the sender's incarnation towards this receiver: `session` is new for every process start
 and increases across restarts; `epoch` is bumped by the sender when the receiver has fenced it; the pair
 compares as a tuple), `seq` (per-sender counter, for tracing), `watermark` (the sender's ring watermark: set on
-every decode->prefill message, None on prefill->decode messages) and `body`.
+every decode->prefill message, None on prefill->decode messages), `body`, and the two clock readings of the
+writer lease (docs/protocol.md, "Writer leases"): `stamp` is the sender's clock when it sent the frame, `echo` the
+highest `stamp` the sender has received from the addressee (None before the first). Only the receiver of an
+echo reads it, against its own clock, so no two clocks are ever compared.
 
 Bodies and who sends them (D = DecodeEndpoint, P = PrefillEndpoint). "request" bodies are retried with backoff
 until their answer arrives; every handler is idempotent under duplicates and reordering.
@@ -40,7 +43,8 @@ import msgspec
 from msgspec import Meta
 
 #: Bumped on any incompatible change to a body or the envelope; a frame of another version is rejected.
-PROTOCOL_VERSION: Final = 1
+#: Version 2 added the lease clocks `Envelope.stamp` and `Envelope.echo`.
+PROTOCOL_VERSION: Final = 2
 
 # ---- hard bounds, checked at decode time (before an endpoint sees the message) -------------------------------
 MAX_ID: Final = 2**63 - 1
@@ -52,6 +56,7 @@ MAX_CHUNKS: Final = 2**16
 MAX_PAGES: Final = 2**21
 MAX_PAGE_ID: Final = 2**40
 MAX_BYTES: Final = 2**62
+MAX_CLOCK: Final = 1e12  # seconds of a monotonic clock (about 31,000 years)
 
 RoomId = Annotated[int, Meta(ge=0, le=MAX_ID)]
 Count = Annotated[int, Meta(ge=0, le=MAX_ID)]
@@ -65,6 +70,7 @@ Pages = Annotated[tuple[PageId, ...], Meta(max_length=MAX_PAGES)]
 Reason = Annotated[str, Meta(max_length=MAX_REASON_LEN)]
 PeerId = Annotated[str, Meta(min_length=1, max_length=MAX_PEER_ID_LEN)]
 Seconds = Annotated[float, Meta(ge=0.0, le=1e7)]
+ClockReading = Annotated[float, Meta(ge=0.0, le=MAX_CLOCK)]  # NaN and infinities are refused too
 Path = Literal["staged", "direct"]
 
 STAGED: Final = "staged"
@@ -200,7 +206,11 @@ class WireWatermark(msgspec.Struct, frozen=True, array_like=True, forbid_unknown
 
 
 class Envelope(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
-    """One frame: who sent it (peer id and incarnation), in which order, the watermark, and the body."""
+    """One frame: who sent it (peer id and incarnation), in which order, the watermark, the body, and the lease
+    clocks (`stamp`: the sender's clock at sending; `echo`: the highest stamp it received from the addressee).
+
+    The lease clocks come last and have defaults (an echo of None grants no lease), so a frame of protocol
+    version 1, which lacks them, still decodes far enough to be refused by its version with a clear message."""
 
     version: Annotated[int, Meta(ge=0, le=2**16)]
     sender: PeerId
@@ -209,6 +219,8 @@ class Envelope(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fiel
     seq: Count
     watermark: WireWatermark | None
     body: Body
+    stamp: ClockReading = 0.0
+    echo: ClockReading | None = None
 
     @property
     def incarnation(self) -> tuple[int, int]:

@@ -32,6 +32,7 @@ from kvstage.protocol.messages import (
     AbortAck,
     ChunkAck,
     ChunkReady,
+    Envelope,
     Grant,
     GrantRefused,
     Metadata,
@@ -264,6 +265,11 @@ class PrefillEndpoint(EndpointCore):
         if link.plan_full is not None and not region_ready(chunk.region, peer.watermark or _ZERO):
             peer.parked[key] = None
             return
+        if not self._leased(peer):  # R13: no write without a lease; the peer's next frame
+            peer.parked[key] = None  # renews it (and re-checks this chunk)
+            peer.lease_parked = True
+            self.stats.lease_waits += 1
+            return
         peer.parked.pop(key, None)
         PREFILL_CHUNK.move(chunk, _C.WRITE, key)
         token = self._new_token()
@@ -307,17 +313,28 @@ class PrefillEndpoint(EndpointCore):
             )
         )
 
-    def _on_envelope_watermark(self, peer: Peer, watermark: WireWatermark) -> None:
-        """R9: a higher watermark may make parked chunks writable; re-check them in grant order."""
-        seen = peer.watermark
-        if seen is not None and (watermark.round, watermark.tail) <= (seen.round, seen.tail):
+    def _on_heard(self, peer: Peer, envelope: Envelope) -> None:
+        """R9/R13: a higher watermark, or a renewed lease, may make parked chunks writable: re-check them in grant
+        order."""
+        if not (self._watermark_rose(peer, envelope.watermark) or (peer.lease_parked and self._leased(peer))):
             return
-        peer.watermark = Watermark(watermark.round, watermark.tail)
+        peer.lease_parked = False
         for room, index in list(peer.parked):  # a parked chunk is GRANTED; it leaves when written or failed
             found = self._link_of(peer, room)
             assert found is not None, f"chunk {index} of room {room} is parked, but the room is not active"
             r, link = found
             self._try_write(r, link, index, link.chunks[index])
+
+    @staticmethod
+    def _watermark_rose(peer: Peer, watermark: WireWatermark | None) -> bool:
+        seen = peer.watermark
+        if watermark is None or (seen is not None and (watermark.round, watermark.tail) <= (seen.round, seen.tail)):
+            return False
+        peer.watermark = Watermark(watermark.round, watermark.tail)
+        return True
+
+    def _leased(self, peer: Peer) -> bool:
+        return self._now < self.lease_until(peer.peer_id)
 
     def _link_of(self, peer: Peer, room: int) -> tuple[WriterRoom, Link] | None:
         r = self._rooms.get(room)

@@ -20,6 +20,7 @@ TRANSFER_FAILED: Final = "transfer failed"  # a bulk or direct write reported fa
 SCATTER_FAILED: Final = "scatter failed"  # the decode-side scatter reported failure
 STAGING_OVERSIZED: Final = "staging oversized"  # one chunk needs more bytes than the whole ring (no fallback)
 SEND_FAILED: Final = "send failed"  # the runtime could not send a control message of the room
+LEASE_EXPIRED: Final = "lease expired"  # a write could not be posted: decode was not heard from within lease_s
 ROOM_CLOSED: Final = "room closed"  # decode no longer serves the room (it ended there)
 BAD_METADATA: Final = "bad metadata"  # metadata disagrees with the room or with this endpoint's layout
 PROTOCOL_VIOLATION: Final = "protocol violation"  # the peer answered with something impossible for the room
@@ -39,6 +40,7 @@ FAILURE_REASONS: Final = frozenset(
         SCATTER_FAILED,
         STAGING_OVERSIZED,
         SEND_FAILED,
+        LEASE_EXPIRED,
         ROOM_CLOSED,
         BAD_METADATA,
         PROTOCOL_VIOLATION,

@@ -26,6 +26,8 @@ class EndpointStats:
     sends_failed: int = 0  # SendFailed events
     peers_dead: int = 0  # peers declared dead (R8)
     peers_restarted: int = 0  # newer incarnation seen (restart or re-epoch)
+    lease_waits: int = 0  # prefill: a writable chunk parked because its decode peer's lease had lapsed
+    quarantine_timers: int = 0  # decode: a restarted writer's rooms held until its old writes cannot land
     rooms_opened: int = 0
     rooms_succeeded: int = 0
     failures: Counter[str] = field(default_factory=Counter)  # by reasons.FAILURE_REASONS
@@ -45,6 +47,8 @@ class EndpointStats:
             "sends_failed": self.sends_failed,
             "peers_dead": self.peers_dead,
             "peers_restarted": self.peers_restarted,
+            "lease_waits": self.lease_waits,
+            "quarantine_timers": self.quarantine_timers,
             "rooms_opened": self.rooms_opened,
             "rooms_succeeded": self.rooms_succeeded,
             "rooms_failed": sum(self.failures.values()),

@@ -12,9 +12,11 @@ fails its room with the reason.
 Invariants: a gather starts only once its staging slot no longer overlaps a write still in flight; a write goes
 only into memory of the decode session that granted it (`dst_session`), never into the ring or pool of a
 restarted incarnation (a grant from a newer session waits, bounded by the liveness timeout, for that session's
-record); every write ends in exactly one Completion, queued ones included (a completion frees its peer's window
-for the next); a room's slots are kept only while the endpoint holds the room ACTIVE and dropped with its outcome,
-and a gather uses them only for the very pages its write names. Called by prefill engines through `kvstage.runtime`.
+record); a write is posted only while this writer's lease towards its decode peer holds (R13, re-checked at the
+moment of posting; a write waits for a lapsed lease, and fails if the peer is fenced); every write ends in exactly
+one Completion, queued ones included (a completion frees its peer's window for the next); a room's slots are kept
+only while the endpoint holds the room ACTIVE and dropped with its outcome, and a gather uses them only for the very
+pages its write names. Called by prefill engines through `kvstage.runtime`.
 """
 
 from __future__ import annotations
@@ -68,6 +70,7 @@ STALE_RING = "the decode peer restarted since it granted this region"
 NO_LOCAL_POOL = "this rank's KV pool is on {device}; the data transports write host memory, so no direct path"
 NO_ENGINE_DIRECT = "this rank's KV is the engine's own (EngineKV), which the direct path cannot read: staged only"
 NO_POOL = "the decode peer exported no KV pool for the direct path (the local backend cannot export engine memory)"
+FENCED_PEER = "the decode peer was fenced before this write could be posted"
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +97,8 @@ class _Write:
     nbytes: int
     slot: Allocation | None = None
     started: float = 0.0
+    #: the gather's CUDA event (staging on the GPU): the write is ordered after it on the device
+    after: torch.cuda.Event | None = None
 
 
 #: A write ready to go and waiting for its peer's window: the write, its (src, dst, length) runs, its source.
@@ -224,6 +229,8 @@ class PrefillAgent(BaseAgent):
             return None
 
     def _peer_fenced(self, peer: str) -> None:
+        for write, _, _ in self._queued.pop(peer, ()):  # their target memory is no longer the peer's
+            self._end_unposted(write, f"{FENCED_PEER} ({peer})")
         ring = self._rings.pop(peer, None)
         if ring is not None:
             self.transport.forget_remote(ring[1])
@@ -324,6 +331,7 @@ class PrefillAgent(BaseAgent):
             self._complete(write.action.token, False, f"gather failed: {done.reason}")
             return
         self.metrics.copy_done("gather", done.seconds)
+        write.after = done.fence.event
         self._enqueue_write(write, [(write.slot.offset, write.action.dst_offset, write.nbytes)], self.staging_region)
 
     def _write_direct(self, action: WriteDirect, remote: RemoteRegion) -> None:
@@ -352,10 +360,14 @@ class PrefillAgent(BaseAgent):
         so decode scatters chunk k while chunk k+1 is on the wire; with every write in flight at once they would
         share the link and all land at the end, leaving every scatter after the last byte."""
         peer = write.action.peer
-        if self._in_flight_to(peer) < self.config.writes_per_peer:
-            self._submit(write, runs, source)
-        else:
-            self._queued.setdefault(peer, deque()).append((write, runs, source))
+        self._queued.setdefault(peer, deque()).append((write, runs, source))
+        self._submit_queued(peer)
+
+    def _end_unposted(self, write: _Write, reason: str) -> None:
+        """A queued write will never be posted: free its staging slot and fail it."""
+        if write.slot is not None:
+            self._slab.free(write.slot)
+        self._complete(write.action.token, False, reason)
 
     def _in_flight_to(self, peer: str) -> int:
         return sum(1 for write in self._in_flight.values() if write.action.peer == peer)
@@ -363,15 +375,21 @@ class PrefillAgent(BaseAgent):
     def _submit(self, write: _Write, runs: list[tuple[int, int, int]], source: LocalRegion) -> None:
         write.started = time.perf_counter()
         self.metrics.transfer_started()
-        self._in_flight[self.transport.write_batch(source, write.remote, runs)] = write
+        self._in_flight[self.transport.write_batch(source, write.remote, runs, write.after)] = write
 
     def _submit_queued(self, peer: str) -> None:
-        """A write to `peer` ended (and left `_in_flight`): submit its next queued write, if any."""
+        """Post `peer`'s queued writes in order while its window has room and this writer's lease towards it holds.
+
+        R13: a write is posted only at a moment when `now < endpoint.lease_until(peer)`, the lease the decode peer
+        renews with every frame it sends; decode relies on it to know when a fenced writer's writes can no longer
+        land. A write waiting for a lapsed lease is re-checked every turn; it fails if the peer is fenced."""
         queued = self._queued.get(peer)
-        if queued:
+        while queued and self._in_flight_to(peer) < self.config.writes_per_peer:
+            if time.monotonic() >= self.endpoint.lease_until(peer):
+                return
             self._submit(*queued.popleft())
-            if not queued:
-                del self._queued[peer]
+        if not queued:
+            self._queued.pop(peer, None)
 
     def _poll_transport(self) -> None:
         for done in self.transport.poll():
@@ -382,13 +400,15 @@ class PrefillAgent(BaseAgent):
                 continue
             if write.slot is not None:
                 self._slab.free(write.slot)
-            self._submit_queued(write.action.peer)
             self.metrics.transfer_finished(write.nbytes, time.perf_counter() - write.started, done.ops, done.ok)
             self._complete(
                 write.action.token, done.ok, "" if done.ok else f"transfer failed: {done.reason}", done.peer_gone
             )
+            self._submit_queued(write.action.peer)
 
     def _after_turn(self) -> None:
+        for peer in list(self._queued):
+            self._submit_queued(peer)
         if self._unresolved:
             self._retry_unresolved()
         if self._waiting:
