@@ -72,9 +72,14 @@ class EnginePagesFreedEarly(World):
             node.pool.free(state.decode_pages[node.rank], str(room))
 
 
-def test_checker_reports_s2_when_released_pages_are_written() -> None:
-    violation = _first_violation(EnginePagesFreedEarly, SimConfig(faults="none"))
-    assert violation.invariant == "S2"
+def test_checker_reports_s2_when_a_scatter_writes_released_pages() -> None:
+    violation = _first_violation(EnginePagesFreedEarly, STAGED)
+    assert violation.invariant == "S2" and "scatter" in violation.detail
+
+
+def test_checker_reports_w1_when_a_direct_write_lands_in_released_pages() -> None:
+    violation = _first_violation(EnginePagesFreedEarly, SimConfig(faults="none", prefill_tp=2, decode_tp=2, kv_heads=2))
+    assert violation.invariant == "W1" and "direct write" in violation.detail
 
 
 class TransferFlipsABit(World):
@@ -187,8 +192,11 @@ class QuarantineIgnored(World):
         super()._room_failed(node, room, reason)
 
 
-def test_checker_reports_a_late_write_into_space_released_before_the_writer_confirmed() -> None:
-    profile = dataclasses.replace(FAULT_LEVELS["default"], abort_rooms=0.5, slow_writes=0.3)
+def test_checker_reports_w1_when_a_late_write_lands_in_space_released_before_the_writer_confirmed() -> None:
+    # message faults and aborts only: no process fault that could land a late write on its own
+    profile = dataclasses.replace(
+        FAULT_LEVELS["none"], loss=0.05, duplicate=0.02, delay_jitter=0.004, abort_rooms=0.5, slow_writes=0.3
+    )
     config = SimConfig(prefill_tp=4, decode_tp=2, kv_heads=4, fault_profile=profile)
     violation = _first_violation(QuarantineIgnored, config, range(40))
-    assert violation.invariant == "S1" and "after its region was freed" in violation.detail
+    assert violation.invariant == "W1" and "after its region was freed" in violation.detail

@@ -1,11 +1,12 @@
-"""Virtual time and the deterministic event queue of the simulator.
+"""Virtual time and the deterministic event queue of the simulator, and each node's own (drifting) clock.
 
-Owns: `EventKind`, the kinds of world event, and `EventQueue`, a heap of pending world events keyed by
-`(time, seq)`. `seq` grows by one per push, so two events at the same instant always pop in the order they were
-scheduled, and a seed replays the same run. Cancellation is lazy (a cancelled entry is skipped when it
-surfaces), so cancel is O(1).
+Owns: `EventKind`, the kinds of world event; `EventQueue`, a heap of pending world events keyed by
+`(time, seq)` in true time; and `NodeClock`, what one node's clock reads at a true time. `seq` grows by one per
+push, so two events at the same instant always pop in the order they were scheduled, and a seed replays the same
+run. Cancellation is lazy (a cancelled entry is skipped when it surfaces), so cancel is O(1).
 
-Invariants: time never goes backwards; `pop` returns events in (time, seq) order. No wall clock is read here.
+Invariants: time never goes backwards; `pop` returns events in (time, seq) order; a node's clock is monotonic
+and `when(reading)` is the first true time at which it reads at least `reading`. No wall clock is read here.
 Called by the world's parts (world.py, core.py, engines.py, dataplane.py: every delivery, completion, timer
 and engine step) and sim/network.py.
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import enum
 import heapq
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,10 +33,35 @@ class EventKind(enum.Enum):
     ABORT = "abort"  # an engine aborts a room
     EXPIRE = "expire"  # a room waiting for decode pages reaches its deadline
     GENERATED = "generated"  # a succeeded room finished generating; its pages go back
+    POST = "post"  # a write the endpoint asked for is posted to the transport (after gather and queueing)
     CRASH = "crash"  # a prefill instance crashes
     RESTART = "restart"  # and restarts
+    DECODE_CRASH = "decode crash"  # a decode instance is armed to crash while a write to it is in flight
+    DECODE_RESTART = "decode restart"  # and restarts with new sessions
+    QUARANTINE_RESTART = "quarantine restart"  # a writer is armed to restart while decode quarantines its room
     PARTITION = "partition"  # a set of ranks is cut off for a while
+    WRITER_PARTITION = "writer partition"  # one writer's control frames are dropped; its data path stays up
+    PAUSE = "pause"  # a writer is armed to stall (GC, swap) right after it next asks for a write
+    RESUME = "resume"  # and resumes, handling what queued up meanwhile
     HOSTILE = "hostile"  # a hostile frame arrives
+
+
+@dataclass(frozen=True, slots=True)
+class NodeClock:
+    """One node's clock: at true time t it reads `offset + rate * t` (rate within the allowed drift of 1)."""
+
+    offset: float = 0.0
+    rate: float = 1.0
+
+    def read(self, t: float) -> float:
+        return self.offset + self.rate * t
+
+    def when(self, reading: float) -> float:
+        """The first true time at which this clock reads at least `reading` (so a timer never fires early)."""
+        t = (reading - self.offset) / self.rate
+        while self.read(t) < reading:
+            t = math.nextafter(t, math.inf)
+        return t
 
 
 @dataclass(slots=True, eq=False)

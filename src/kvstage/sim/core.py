@@ -2,7 +2,8 @@
 
 Owns `WorldCore`, the base of `World`: the attributes the event loop (world.py), the engine models
 (engines.py) and the data plane (dataplane.py) all read and change, the helpers they share (a node's ranks, a
-room's id, scheduling a completion) and the two hooks the event loop implements (`feed`, `_reschedule_timer`).
+room's id, scheduling a completion) and the hooks one part implements for the others (`feed`,
+`_reschedule_timer` and `_pause` in world.py, `_crash_decode` in engines.py).
 World is one object made of these parts, so a test can override any step of any part in a subclass.
 
 Called by world.py, engines.py and dataplane.py.
@@ -15,7 +16,7 @@ from abc import ABC, abstractmethod
 
 from kvstage.layout import KVLayout
 from kvstage.protocol import Codec, Event
-from kvstage.sim.clock import EventKind, EventQueue
+from kvstage.sim.clock import EventKind, EventQueue, NodeClock
 from kvstage.sim.faults import FaultProfile
 from kvstage.sim.invariants import Checker
 from kvstage.sim.network import Network
@@ -45,7 +46,9 @@ class WorldCore(ABC):
     last_deadline: float
     _sessions: int  # the last session id handed to a starting rank
     _tokens: int  # the last in-flight write id
+    quarantine_restarts_armed: int  # writers to restart right after decode fails one of their rooms
     nodes: dict[str, Node]
+    clocks: dict[str, NodeClock]  # by peer id: a restarted process keeps its host's clock
     writes: dict[int, InflightWrite]
     scatters: dict[tuple[str, int], set[int]]
     fences: dict[tuple[str, int], list[tuple[Node, int, int]]]
@@ -60,6 +63,14 @@ class WorldCore(ABC):
     @abstractmethod
     def _reschedule_timer(self, node: Node) -> None:
         """Schedule `node`'s next Tick for its endpoint's `next_timer()` (world.py)."""
+
+    @abstractmethod
+    def _pause(self, node: Node) -> None:
+        """Stall `node`'s process now, for longer than the peers' death timeout (world.py)."""
+
+    @abstractmethod
+    def _crash_decode(self, instance: DecodeInstance) -> None:
+        """Crash every rank of a decode instance now; it restarts later with new sessions (engines.py)."""
 
     def _complete(self, node: Node, session: int, event: Event, at: float) -> None:
         self.queue.push(at, EventKind.COMPLETE, (node, session, event))

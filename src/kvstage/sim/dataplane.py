@@ -1,30 +1,70 @@
-"""The simulated data plane: bulk and direct writes, scatters and scatter fences, and fenced writers.
+"""The simulated data plane: posting, bulk and direct writes that land when their delay says, scatters and fences.
 
-Owns the `DataPlane` part of `World`. A `WriteRegion` / `WriteDirect` is gathered from the prefill rank's KV
-memory when issued and lands after 1 ms plus the network delay (or fails, or is dropped because decode has
-fenced its writer's incarnation), in the decode rank's staging bytes or KV pages; a `Scatter` copies staging
-bytes into the room's decode pages at its token range when it completes; a `FenceScatter` completes once the
-room has no scatter in flight. The checker is called at every landing and scatter (S1, S2).
+Owns the `DataPlane` part of `World`. A `WriteRegion` / `WriteDirect` is posted after a posting delay (the
+runtime's gather and queue time); at that moment the writer's lease towards the decode peer is checked with the
+writer's own clock (else the write is answered `ok=False` and never posted), its KV is gathered from the prefill
+rank's memory, and it lands after 1 ms plus the network delay, in the decode rank's staging bytes or KV pages.
+A write slower than the transport's bound (`max_write_s`) fails at that bound without landing; a write to a
+decode session that is gone (crashed, restarted) fails without landing (its memory registration is gone). Nothing
+else stops a posted write: one-sided transports cannot refuse a writer decode has fenced, so its late writes land
+too, and the checker judges every landing (W1, S1). A `Scatter` copies staging bytes into the room's decode pages
+at its token range when it completes; a `FenceScatter` completes once the room has no scatter in flight.
 
-Called by world.py (executing actions, and the LAND / SCATTER events).
+Called by world.py (executing actions, and the POST / LAND / SCATTER events).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from kvstage.protocol import Completion, FencePeer, FenceScatter, Scatter, WriteDirect, WriteRegion
+from kvstage.protocol import Completion, FenceScatter, Scatter, WriteDirect, WriteRegion
 from kvstage.sim.clock import EventKind
 from kvstage.sim.core import WorldCore
 from kvstage.sim.memory import Words
-from kvstage.sim.records import SCATTER_S, WRITE_PER_BYTE_S, WRITE_S, InflightWrite, Node
+from kvstage.sim.records import (
+    POST_MEAN_S,
+    SCATTER_S,
+    WRITE_PER_BYTE_S,
+    WRITE_S,
+    InflightWrite,
+    Node,
+    PendingPost,
+)
 from kvstage.sim.trace import describe
 
 
 class DataPlane(WorldCore):
     """Writes, scatters and fences of one seeded run (a part of World)."""
 
+    @property
+    def max_write_s(self) -> float:
+        """The transport's bound on a write's lifetime: it lands within this long of posting, or never."""
+        return 0.4 * self.config.timing.dead_after_s
+
     def _issue_write(self, node: Node, action: WriteRegion | WriteDirect) -> None:
+        """The endpoint asked for a write: the runtime posts it after gathering and queueing it."""
+        post = PendingPost(node, node.session, action)
+        self.queue.push(self.queue.now + self.rng.expovariate(1 / POST_MEAN_S), EventKind.POST, post)
+        if node.pause_armed:
+            self._pause(node)
+
+    def _on_post(self, post: PendingPost) -> None:
+        node, action = post.node, post.action
+        if node.session != post.session or node.endpoint is None:
+            return  # the process crashed before posting: nothing is posted, and nobody waits for an answer
+        if node.paused_until is not None:
+            node.held.append(post)
+            return
+        if not self._lease_ok(node, action):
+            return
+        self._post_write(node, action)
+
+    def _lease_ok(self, node: Node, action: WriteRegion | WriteDirect) -> bool:
+        """The runtime's check at the moment of posting: the writer's lease towards the decode peer, read with
+        the writer's own clock, has not run out (docs/protocol.md)."""
+        return True
+
+    def _post_write(self, node: Node, action: WriteRegion | WriteDirect) -> None:
         target = self.nodes.get(action.peer)
         state = self.rooms.get(action.room)
         assert node.pool is not None
@@ -34,17 +74,26 @@ class DataPlane(WorldCore):
             return
         payload = self._gather(node, action) if self.payloads else None
         nbytes = action.block.nbytes if isinstance(action, WriteRegion) else action.num_tokens
-        at = self.queue.now + WRITE_S + nbytes * WRITE_PER_BYTE_S + self.network.delay()
+        delay = WRITE_S + nbytes * WRITE_PER_BYTE_S + self.network.delay()
         if self.profile.slow_writes and self.rng.random() < self.profile.slow_writes:
-            at += self.rng.uniform(0.01, 0.06)
-        if self.network.cut(node.peer_id, target.peer_id, self.queue.now):
-            self._complete(node, node.session, Completion(action.token, False, "partitioned"), at)
+            delay += self.rng.uniform(0.01, 0.06)
+        if self.profile.stalled_writes and self.rng.random() < self.profile.stalled_writes:
+            delay += self.rng.uniform(0.1, 1.5) * self.max_write_s
+        if self.network.cut(node.peer_id, target.peer_id, self.queue.now, data=True):
+            self._complete(node, node.session, Completion(action.token, False, "partitioned"), self.queue.now + delay)
+            return
+        if delay > self.max_write_s:
+            self.trace.record(self.queue.now, node.peer_id, "write stalls", f"past max_write_s: {describe(action)}")
+            failed = Completion(action.token, False, "write timed out")
+            self._complete(node, node.session, failed, self.queue.now + self.max_write_s)
             return
         ok = not (self.profile.write_failure and self.rng.random() < self.profile.write_failure)
-        incarnation = (action.writer_session, action.writer_epoch)
         self._tokens += 1
-        self.writes[self._tokens] = InflightWrite(node, node.session, incarnation, target, action, payload, ok)
-        self.queue.push(at, EventKind.LAND, self._tokens)
+        self.writes[self._tokens] = InflightWrite(node, node.session, action, payload, ok)
+        self.queue.push(self.queue.now + delay, EventKind.LAND, self._tokens)
+        decode = self.decode[target.instance]
+        if decode.crash_armed:
+            self._crash_decode(decode)
 
     def _gather(self, node: Node, action: WriteRegion | WriteDirect) -> bytes | Words:
         assert node.kv is not None
@@ -54,24 +103,23 @@ class DataPlane(WorldCore):
 
     def _on_land(self, payload: int) -> None:
         write = self.writes.pop(payload)
-        target, action = write.target, write.action
-        fenced = target.fenced.get(write.writer.peer_id)
-        if fenced is not None and write.incarnation <= fenced:
-            self.trace.record(self.queue.now, target.peer_id, "write dropped", f"fenced {describe(action)}")
-            self._complete(write.writer, write.session, Completion(action.token, False, "fenced"), self.queue.now)
+        action = write.action
+        target = self.nodes.get(action.peer)
+        if target is None or target.endpoint is None or target.session != action.dst_session:
+            self.trace.record(self.queue.now, action.peer, "write fails", f"decode session gone: {describe(action)}")
+            gone = Completion(action.token, False, "decode session gone", peer_gone=True)
+            self._complete(write.writer, write.session, gone, self.queue.now)
             return
         self.trace.record(self.queue.now, target.peer_id, "write lands", action)
+        self.checker.check_landing(target, action)
         if isinstance(action, WriteRegion):
-            self.checker.check_region_write(target, action)
             if self.payloads and target.staging is not None:
                 data = write.payload
                 assert isinstance(data, bytes)
                 target.staging.write(action.dst_offset, data if write.ok else data[: len(data) // 2])
-        else:
-            self.checker.check_direct_write(target, action)
-            if self.payloads and target.kv is not None and write.ok:
-                assert isinstance(write.payload, np.ndarray)
-                target.kv.write(action.dst_pages, 0, action.transfer.dst_head_start, write.payload)
+        elif self.payloads and target.kv is not None and write.ok:
+            assert isinstance(write.payload, np.ndarray)
+            target.kv.write(action.dst_pages, 0, action.transfer.dst_head_start, write.payload)
         reason = "" if write.ok else "simulated transfer failure"
         self._complete(write.writer, write.session, Completion(action.token, write.ok, reason), self.queue.now)
 
@@ -81,8 +129,8 @@ class DataPlane(WorldCore):
 
     def _on_scatter_done(self, payload: tuple[Node, int, Scatter]) -> None:
         node, session, action = payload
-        if node.session != session:
-            return
+        if node.session != session or node.endpoint is None:
+            return  # its process crashed: the scatter went with it
         ok = not (self.profile.scatter_failure and self.rng.random() < self.profile.scatter_failure)
         self.checker.check_scatter(node, action)
         if ok and self.payloads:
@@ -111,11 +159,6 @@ class DataPlane(WorldCore):
             self.fences.setdefault(key, []).append((node, node.session, action.token))
         else:
             self._complete(node, node.session, Completion(action.token), self.queue.now)
-
-    def _fence_peer(self, node: Node, action: FencePeer) -> None:
-        if node.side == "decode":
-            fenced = (action.session, action.epoch)
-            node.fenced[action.peer] = max(node.fenced.get(action.peer, fenced), fenced)
 
 
 def _words(raw: bytes) -> Words:

@@ -5,7 +5,11 @@ prompt, then calls `ExpectRoom` on each rank; when every rank succeeded it gener
 pages, and when one rank fails it aborts the room on the others (a room is one request). Prefill attaches rooms
 when they arrive but computes a room only once decode has admitted it (the bootstrap), in chunked forward passes
 in arrival order, limited by its own KV pool (R11), each pass announced by `ComputeScheduled` and finished by
-`KVReady`. Rooms are aborted from either side; prefill instances crash and restart with a new session id.
+`KVReady`. Rooms are aborted from either side; prefill instances crash and restart with a new session id (also
+right after decode failed one of their rooms, so the new incarnation meets decode's quarantine); decode
+instances crash while a write to them is in flight and restart with new sessions, and every room they held ends
+with them. Each node keeps one clock (`NodeClock`, drifting within `Timing.clock_drift`) across restarts, and
+every time an engine hands an endpoint (a deadline) is read on that node's clock.
 
 Every random choice comes from the world's one generator, drawn in event order. Called by world.py.
 """
@@ -18,14 +22,12 @@ from kvstage.protocol import (
     AttachRoom,
     ComputeScheduled,
     DecodeConfig,
-    DecodeEndpoint,
     ExpectRoom,
     FreePages,
     KVReady,
     PrefillConfig,
-    PrefillEndpoint,
 )
-from kvstage.sim.clock import EventKind
+from kvstage.sim.clock import EventKind, NodeClock
 from kvstage.sim.core import WorldCore
 from kvstage.sim.memory import KVMemory, PagePool, StagingMemory, TrackedRing, expected_kv
 from kvstage.sim.records import (
@@ -33,7 +35,6 @@ from kvstage.sim.records import (
     FORWARD_PER_TOKEN_S,
     FORWARD_S,
     GENERATE_S,
-    SIM_TIMING,
     DecodeInstance,
     Node,
     PrefillInstance,
@@ -50,6 +51,17 @@ class Engines(WorldCore):
         self._sessions += 1
         return self._sessions
 
+    def _clock(self, peer_id: str) -> NodeClock:
+        """The clock of `peer_id`'s host, drawn once (a restarted process reads the same clock)."""
+        clock = self.clocks.get(peer_id)
+        if clock is None:
+            clock = NodeClock()
+            if self.profile.drifting_clocks:
+                drift = 0.001
+                clock = NodeClock(self.rng.uniform(1.0, 100.0), 1.0 + self.rng.uniform(-drift, drift))
+            self.clocks[peer_id] = clock
+        return clock
+
     def _build_decode(self, instance: DecodeInstance) -> None:
         ring_bytes = self.scenario.ring_bytes[instance.index]
         heads = len(heads_of_rank(self.layout.num_kv_heads, instance.tp, 0))
@@ -65,12 +77,12 @@ class Engines(WorldCore):
                 chunk_tokens=self.config.chunk_tokens,
                 ring_bytes=ring_bytes,
                 attention=self.scenario.topology.attention,
-                timing=SIM_TIMING,
+                timing=self.config.timing,
             )
-            node = Node(peer_id, "decode", instance.index, rank, instance.tp)
+            node = Node(peer_id, "decode", instance.index, rank, instance.tp, clock=self._clock(peer_id))
             node.session = self._next_session()
             node.ring = ring
-            node.endpoint = DecodeEndpoint(config, node.session, ring=ring, codec=self.codec)
+            node.endpoint = self.config.decode_endpoint(config, node.session, ring=ring, codec=self.codec)
             node.pool = PagePool(peer_id, self.scenario.decode_pages)
             node.staging = staging
             if self.payloads:
@@ -90,11 +102,11 @@ class Engines(WorldCore):
         for rank in range(instance.tp):
             peer_id = f"P{instance.index}.{rank}"
             config = PrefillConfig(
-                peer_id=peer_id, layout=self.layout, tp_size=instance.tp, rank=rank, timing=SIM_TIMING
+                peer_id=peer_id, layout=self.layout, tp_size=instance.tp, rank=rank, timing=self.config.timing
             )
-            node = Node(peer_id, "prefill", instance.index, rank, instance.tp)
+            node = Node(peer_id, "prefill", instance.index, rank, instance.tp, clock=self._clock(peer_id))
             node.session = instance.session
-            node.endpoint = PrefillEndpoint(config, node.session, codec=self.codec)
+            node.endpoint = self.config.prefill_endpoint(config, node.session, codec=self.codec)
             node.pool = instance.pool
             if self.payloads:
                 node.kv = self._kv_memory(self.scenario.prefill_pages, heads)
@@ -112,7 +124,7 @@ class Engines(WorldCore):
 
     def _admit_decode(self, instance: DecodeInstance) -> None:
         """Admit waiting rooms FIFO while every rank's pool has pages for the next one."""
-        while instance.waiting:
+        while instance.waiting and instance.up:
             room = instance.waiting[0]
             state = self.rooms[room]
             if state.engine_failure is not None:
@@ -143,8 +155,9 @@ class Engines(WorldCore):
                 )
                 node.kv.write(pages, 0, 0, cached)
         for node in nodes:
+            deadline = node.clock.read(plan.deadline)
             event = ExpectRoom(
-                room, peers, plan.num_tokens, plan.prefix_tokens, state.decode_pages[node.rank], plan.deadline
+                room, peers, plan.num_tokens, plan.prefix_tokens, state.decode_pages[node.rank], deadline
             )
             state.decode_registered.add(node.rank)
             self.feed(node, event)
@@ -165,7 +178,7 @@ class Engines(WorldCore):
         nodes = self._prefill_nodes(instance.index)
         for node in nodes:
             state.prefill_attached.add(node.rank)
-            self.feed(node, AttachRoom(room, state.plan.num_tokens, decode_tp, state.plan.deadline))
+            self.feed(node, AttachRoom(room, state.plan.num_tokens, decode_tp, node.clock.read(state.plan.deadline)))
         if any(outcome != RoomState.OK for outcome in state.prefill_outcome.values()):
             self._abort_ranks(nodes, state.prefill_attached, state.prefill_outcome, room)
         if state.decode_admitted and not self._prefill_done(state):
@@ -261,6 +274,7 @@ class Engines(WorldCore):
             state.first_failure = reason
         if node.side == "decode":
             state.decode_outcome[node.rank] = reason
+            self._restart_writer_in_quarantine(state)
             self._abort_ranks(
                 self._decode_nodes(state.plan.decode), state.decode_registered, state.decode_outcome, room
             )
@@ -287,7 +301,9 @@ class Engines(WorldCore):
             self._release_engine_pages(state)
 
     def _on_generated(self, room: int) -> None:
-        self._release_engine_pages(self.rooms[room])
+        state = self.rooms[room]
+        if not state.pages_freed:  # (a decode crash took the pool with it)
+            self._release_engine_pages(state)
 
     def _release_engine_pages(self, state: RoomState) -> None:
         """Return the pages of the ranks where the room succeeded (failed ranks return theirs by FreePages)."""
@@ -340,6 +356,8 @@ class Engines(WorldCore):
     def _on_abort(self, room: int) -> None:
         state = self.rooms[room]
         if state.plan.abort_side == "decode":
+            if state.decode_lost:
+                return
             if not state.decode_admitted:
                 state.engine_failure = "aborted by decode"
                 state.first_failure = state.first_failure or "aborted by decode"
@@ -353,7 +371,8 @@ class Engines(WorldCore):
 
     # ---- crashes -----------------------------------------------------------------------------------------------------
 
-    def _on_crash(self, index: int) -> None:
+    def _on_crash(self, payload: tuple[int, float]) -> None:
+        index, down = payload
         instance = self.prefill[index]
         if not instance.up:
             return
@@ -371,7 +390,6 @@ class Engines(WorldCore):
         instance.active.clear()
         instance.holding.clear()
         instance.busy = False
-        down = self.rng.uniform(0.05, 2 * SIM_TIMING.dead_after_s)
         self.queue.push(self.queue.now + down, EventKind.RESTART, instance.index)
 
     def _on_restart(self, index: int) -> None:
@@ -381,3 +399,50 @@ class Engines(WorldCore):
         deferred, instance.deferred = instance.deferred, []
         for room in deferred:
             self._attach_prefill(room)
+
+    def _restart_writer_in_quarantine(self, state: RoomState) -> None:
+        """FaultProfile.quarantine_restarts: decode just failed the room, so it quarantines the room's space until
+        the writers confirm; the prefill instance crashes now and comes back soon with a new incarnation."""
+        instance = self.prefill[state.plan.prefill]
+        if self.quarantine_restarts_armed and instance.up and state.prefill_session == instance.session:
+            self.quarantine_restarts_armed -= 1
+            self.queue.push(self.queue.now, EventKind.CRASH, (instance.index, self.rng.uniform(0.01, 0.3)))
+
+    def _on_quarantine_restart(self, _payload: None) -> None:
+        self.quarantine_restarts_armed += 1
+
+    def _on_decode_crash(self, index: int) -> None:
+        self.decode[index].crash_armed = True
+
+    def _crash_decode(self, instance: DecodeInstance) -> None:
+        """The decode instance's processes die with their KV pools and rings; rooms they held end with them."""
+        instance.crash_armed = False
+        if not instance.up:
+            return
+        instance.up = False
+        self.trace.record(self.queue.now, f"D{instance.index}", "CRASH", "decode instance")
+        for node in self._decode_nodes(instance.index):
+            node.endpoint = None
+            if node.timer is not None:
+                self.queue.cancel(node.timer)
+                node.timer = None
+            for key in [key for key in self.scatters if key[0] == node.peer_id]:
+                del self.scatters[key]
+            for key in [key for key in self.fences if key[0] == node.peer_id]:
+                del self.fences[key]
+        for state in self.rooms.values():
+            if state.plan.decode != instance.index or not state.decode_admitted or state.pages_freed:
+                continue
+            state.pages_freed = True  # the pool went with the process
+            if not state.decode_done:
+                state.decode_lost = True
+                state.first_failure = state.first_failure or RoomState.DECODE_CRASHED
+        down = self.rng.uniform(0.05, 1.5 * self.config.timing.dead_after_s)
+        self.queue.push(self.queue.now + down, EventKind.DECODE_RESTART, instance.index)
+
+    def _on_decode_restart(self, index: int) -> None:
+        instance = self.decode[index]
+        instance.up = True
+        self._build_decode(instance)
+        self.trace.record(self.queue.now, f"D{index}", "RESTART", "decode instance, new sessions")
+        self._admit_decode(instance)

@@ -4,10 +4,16 @@ Owns: `FaultProfile` (a frozen bundle of probabilities and switches) and `FAULT_
 `none`, `default` and `heavy` that `kvstage sim --faults` selects.
 
 - `none`: a perfect world; every room must succeed.
-- `default`: about 5% of control messages lost, 2% duplicated, random delay (hence reordering), 10% of rooms
-  aborted (from either side), some bulk-write and scatter failures, and a few hostile frames.
+- `default`: about 8% of control messages lost, 2% duplicated, random delay (hence reordering), 10% of rooms
+  aborted (from either side), some rooms with deadlines too tight to finish, some bulk-write and scatter failures,
+  writes that stall past the transport's bound, drifting clocks, and, in some seeds, each process fault of
+  `heavy` once: a writer cut off on the control plane, a stalled writer, a decode crash, a writer restarting
+  during a quarantine, and hostile frames (forged, stale and replayed).
 - `heavy`: more of everything, plus prefill crash and restart (new session id), network partitions, and a ring
   small enough to force wrapping.
+
+The process faults are counts per seed: a fraction `x` means one event in that share of seeds (`1.5`: one, and
+a second in half the seeds).
 
 Pure data. Called by the world (world.py, core.py) and sim/network.py; named by cli.py.
 """
@@ -35,7 +41,26 @@ class FaultProfile:
     hostile_frames: float = 0.0
     send_failure: float = 0.0
     """A Send the runtime could not carry out (answered with SendFailed): fails that room only (R3)."""
+    stalled_writes: float = 0.0
+    """Share of writes that stall for 0.1-1.5 x `max_write_s`: those past the bound fail without landing (the
+    transport's contract), the others land late, after their room may have failed (R6, leases)."""
+    tight_deadlines: float = 0.0
+    """Share of rooms whose deadline is 10-150 ms after arrival, so their deadline fires mid-handoff."""
+    drifting_clocks: bool = False
+    """Each node's clock reads offset + rate * t, rate within `Timing.clock_drift` of 1."""
     prefill_crashes: int = 0
+    writer_partitions: float = 0.0
+    """One writer (a prefill rank) loses its control frames, both ways or one way, for 0.3-2 x dead_after_s;
+    its data path stays up, so it may still land writes."""
+    writer_pauses: float = 0.0
+    """A writer stalls (GC, swap) for 1-1.8 x dead_after_s right after it asks for a write: it handles no event
+    and posts nothing meanwhile, then resumes with the queued write."""
+    decode_crashes: float = 0.0
+    """A decode instance crashes while a write to it is in flight (writers hold grants) and restarts with new
+    sessions 0.05-1.5 s later: every room it held ends."""
+    quarantine_restarts: float = 0.0
+    """A prefill instance crashes right after a decode rank failed one of its rooms (while decode quarantines the
+    room's space) and restarts 10-300 ms later, so its new incarnation meets the quarantine."""
     partitions: int = 0
     partition_length: float = 0.0
     """Longest partition; partitions last 0.1 s up to this, some longer than the peer-death timeout."""
@@ -48,15 +73,17 @@ FAULT_LEVELS: dict[str, FaultProfile] = {
     "none": FaultProfile("none"),
     "default": FaultProfile(
         "default",
-        loss=0.05,
+        loss=0.08,
         duplicate=0.02,
         delay_jitter=0.004,
         abort_rooms=0.10,
         write_failure=0.005,
         slow_writes=0.05,
         scatter_failure=0.002,
-        hostile_frames=0.01,
+        hostile_frames=0.02,
         send_failure=0.0005,
+        tight_deadlines=0.03,
+        drifting_clocks=True,
     ),
     "heavy": FaultProfile(
         "heavy",
@@ -69,6 +96,8 @@ FAULT_LEVELS: dict[str, FaultProfile] = {
         scatter_failure=0.005,
         hostile_frames=0.03,
         send_failure=0.002,
+        tight_deadlines=0.05,
+        drifting_clocks=True,
         prefill_crashes=1,
         partitions=2,
         partition_length=1.4,

@@ -6,6 +6,11 @@ with an out-of-range field, messages for rooms nobody registered, and messages f
 incarnation (session 0, older than every real session) or from a sender nobody knows. None of them may grow
 an endpoint's state or change a room: the checker verifies that every endpoint only ever holds real rooms.
 
+Also what a confused peer does with real frames it saw on the wire (`forged_from`, `stale_chunk_ready`): replay
+one as it was, replay it from an older incarnation of its sender, retarget a writer's notice or request to a
+room that writer has no part in, or announce a chunk in the writer's name with an epoch other than its grant's.
+Each of these a correct endpoint drops, refuses or treats as the duplicate it is.
+
 Called by sim/world.py; draws from the world's random generator only.
 """
 
@@ -26,11 +31,14 @@ from kvstage.protocol.messages import (
     Grant,
     GrantRefused,
     Metadata,
+    MetadataAck,
     StagingRequest,
 )
 
 #: Room ids at or above this are never used by the simulator's rooms.
 FORGED_ROOM_BASE = 1 << 40
+#: Real frames the hostile peer remembers to replay or alter.
+RECENT_FRAMES = 64
 
 
 def _envelope(sender: str, session: int, body: Body, version: int = PROTOCOL_VERSION) -> Envelope:
@@ -97,3 +105,27 @@ def hostile_frame(rng: random.Random, codec: Codec, peers: list[str], rooms: lis
         return codec.encode(_envelope("x-hostile", 1 + rng.getrandbits(30), _forged_metadata(rng, forged_room)))
     # a room nobody registered, from a sender nobody knows
     return codec.encode(_envelope("x-hostile", 1 + rng.getrandbits(30), _forged_body(rng, forged_room)))
+
+
+def forged_from(rng: random.Random, envelope: Envelope, kind: int, foreign_rooms: list[int]) -> Envelope | None:
+    """A real envelope replayed as is (kind 1), from an older incarnation of its sender (kind 2), or, when it is
+    a writer's notice, request or ack, about a room of `foreign_rooms`, where the sender is no writer (kind 3)."""
+    if kind == 1:
+        return envelope
+    if kind == 2:
+        if envelope.epoch:
+            return msgspec.structs.replace(envelope, epoch=envelope.epoch - 1)
+        return msgspec.structs.replace(envelope, session=envelope.session - 1) if envelope.session else None
+    body = envelope.body
+    if not foreign_rooms or not isinstance(body, ChunkReady | StagingRequest | MetadataAck):
+        return None
+    return msgspec.structs.replace(envelope, body=msgspec.structs.replace(body, room=rng.choice(foreign_rooms)))
+
+
+def stale_chunk_ready(writer: str, session: int, epoch: int, grant: Grant) -> Envelope:
+    """The writer's "chunk written" notice for a chunk it was just granted, with an epoch that is not the grant's
+    (an older grant's, say): decode must drop it (R7), whatever the writer has written so far."""
+    body = ChunkReady(room=grant.room, chunk=grant.chunk, epoch=grant.epoch + 1)
+    return Envelope(
+        version=PROTOCOL_VERSION, sender=writer, session=session, epoch=epoch, seq=0, watermark=None, body=body
+    )

@@ -1,14 +1,18 @@
-"""The invariant checker of the simulator: S1, S2, D1, L1, Q1 and B1 (docs/simulation.md, "Invariants").
+"""The invariant checker of the simulator: W1, S1, S2, D1, L1, Q1 and B1 (docs/simulation.md, "Invariants").
 
 Owns `Checker` and `Violation`. The world calls the checker at every data operation (a write landing, a
 scatter completing, pages being freed, a room succeeding) and after every step; the first violation stops the
 run, and the runner prints the seed, the invariant and the trace tail.
 
-- S1: a write never lands in bytes of another live (room, chunk) staging region. Region ownership is learnt
-  from the decode ring itself (`TrackedRing` reports every allocate and free) and the Grants the endpoint sends.
+- W1: every write that lands (bulk or direct, from a live, crashed or fenced writer alike) lands in space its
+  (room, chunk) still holds since the grant: a ring region not freed since, or decode pages its room still
+  holds. A late write into released space is the silent corruption leases exist to prevent.
+- S1: a staged write lands inside its own region, within the ring, and never in bytes of an older live region of
+  another (room, chunk) (the watermark). Region ownership is learnt from the decode ring itself (`TrackedRing`
+  reports every allocate and free) and the Grants the endpoint sends.
 - S2: a scatter reads only a region that is still live and owned by its (room, chunk), and writes only pages its
-  room still holds; a write reads only prefill pages its room holds; a direct write lands only in pages its
-  room holds; pages are never freed twice or by someone who does not hold them.
+  room still holds; a write reads only prefill pages its room holds; pages are never freed twice or by someone
+  who does not hold them.
 - D1: when a decode rank reports success, its KV pages for the room equal, bit for bit, what prefill computed
   for its heads (only with tensor payloads on).
 - L1: every room ends (Succeeded or Failed with a known reason) on every rank that saw it, by its deadline.
@@ -25,6 +29,7 @@ Called by the world's parts only (world.py builds it; engines.py and dataplane.p
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -34,8 +39,9 @@ from kvstage.layout import heads_of_rank, page_slice
 from kvstage.protocol import DecodeEndpoint, PrefillEndpoint, WriteDirect, WriteRegion
 from kvstage.protocol.actions import Scatter
 from kvstage.protocol.messages import Envelope, Grant, Metadata
+from kvstage.protocol.prefill import PrefillRoomState
 from kvstage.protocol.reasons import FAILURE_REASONS
-from kvstage.sim.memory import expected_kv
+from kvstage.sim.memory import Owner, expected_kv
 
 if TYPE_CHECKING:
     from kvstage.sim.records import Node, RoomState
@@ -62,8 +68,9 @@ class Checker:
         self.world = world
         self.violations: list[Violation] = []
         self.hostile_sent = 0
-        self._deadlines = sorted((state.plan.deadline, room) for room, state in world.rooms.items())
-        self._next_deadline = 0
+        self._deadlines = sorted(
+            (state.plan.deadline, state.plan.deadline, room) for room, state in world.rooms.items()
+        )
         self._legit = frozenset(world.rooms)
         self._announced: set[tuple[str, int]] = set()
 
@@ -99,24 +106,39 @@ class Checker:
                 f"{node.peer_id} writes room {action.room} chunk {action.chunk} from pages {foreign} it does not hold",
             )
 
-    def check_region_write(self, target: Node, action: WriteRegion) -> None:
-        """S1. Bytes of an over-committed ring belong to the oldest live allocation covering them. A write must land
-        inside its own live region and may overlap only newer regions there (they wait for it). A write whose
-        region is already freed is a late write: the ring released quarantined space while a write could still
-        land (a fenced writer's late writes never get here, the world drops them)."""
+    def check_landing(self, target: Node, action: WriteRegion | WriteDirect) -> None:
+        """W1 on every landing, then S1 for staged writes."""
+        if isinstance(action, WriteDirect):
+            assert target.pool is not None
+            foreign = target.pool.foreign_pages(action.dst_pages, str(action.room))
+            if foreign:
+                self.fail(
+                    "W1",
+                    f"{target.peer_id}: direct write of room {action.room} chunk {action.chunk} lands in pages "
+                    f"{foreign} its room no longer holds",
+                )
+            return
         assert target.staging is not None
         start, end = action.dst_offset, action.dst_offset + action.block.nbytes
         where = f"{target.peer_id}: write of room {action.room} chunk {action.chunk} (e{action.region.epoch})"
-        if end > target.staging.capacity_bytes:
-            self.fail("S1", f"{where} to [{start},{end}) overruns the ring")
-            return
         mine = target.staging.owner(action.region.epoch)
         if mine is None or (mine.room, mine.chunk) != (str(action.room), action.chunk):
             clash = target.staging.overlapping(start, end, str(action.room), action.chunk)
             victim = (
                 f", into live region e{clash[0].epoch} of room {clash[0].room} chunk {clash[0].chunk}" if clash else ""
             )
-            self.fail("S1", f"{where} lands in [{start},{end}) after its region was freed{victim}")
+            self.fail("W1", f"{where} lands in [{start},{end}) after its region was freed{victim}")
+            return
+        self._check_region_write(target, action, mine)
+
+    def _check_region_write(self, target: Node, action: WriteRegion, mine: Owner) -> None:
+        """S1. Bytes of an over-committed ring belong to the oldest live allocation covering them. A write must land
+        inside its own live region and may overlap only newer regions there (they wait for it)."""
+        assert target.staging is not None
+        start, end = action.dst_offset, action.dst_offset + action.block.nbytes
+        where = f"{target.peer_id}: write of room {action.room} chunk {action.chunk} (e{action.region.epoch})"
+        if end > target.staging.capacity_bytes:
+            self.fail("S1", f"{where} to [{start},{end}) overruns the ring")
             return
         if not (mine.offset <= start and end <= mine.end):
             self.fail("S1", f"{where} to [{start},{end}) lands outside its region [{mine.offset},{mine.end})")
@@ -130,15 +152,6 @@ class Checker:
                 "S1",
                 f"{where} to [{start},{end}) lands in older live region e{other.epoch}[{other.offset},{other.end}) "
                 f"of room {other.room} chunk {other.chunk}: the writer ignored the watermark",
-            )
-
-    def check_direct_write(self, target: Node, action: WriteDirect) -> None:
-        assert target.pool is not None
-        foreign = target.pool.foreign_pages(action.dst_pages, str(action.room))
-        if foreign:
-            self.fail(
-                "S2",
-                f"{target.peer_id}: direct write of room {action.room} lands in pages {foreign} it no longer holds",
             )
 
     def check_scatter(self, node: Node, action: Scatter) -> None:
@@ -205,13 +218,15 @@ class Checker:
     def after_step(self) -> None:
         """L1: every room whose deadline (plus grace) has passed has ended everywhere it was seen."""
         now = self.world.queue.now
-        while self._next_deadline < len(self._deadlines):
-            deadline, room = self._deadlines[self._next_deadline]
-            if deadline + DEADLINE_GRACE_S > now:
+        while self._deadlines:
+            check_at, deadline, room = self._deadlines[0]
+            if check_at + DEADLINE_GRACE_S > now:
                 return
-            self._next_deadline += 1
+            heapq.heappop(self._deadlines)
             open_where = self.open_ranks(room)
-            if open_where:
+            if open_where and all(self._excused(where, room) for where in open_where):
+                heapq.heappush(self._deadlines, (now, deadline, room))
+            elif open_where:
                 self.fail("L1", f"room {room} is still open on {open_where} past its deadline {deadline * 1000:.1f}ms")
                 return
 
@@ -220,7 +235,7 @@ class Checker:
         world = self.world
         state = world.rooms[room]
         where: list[str] = []
-        if state.engine_failure is None:
+        if state.engine_failure is None and not state.decode_lost:
             if not state.decode_admitted:
                 where.append(f"D{state.plan.decode} engine queue")
             else:
@@ -230,8 +245,20 @@ class Checker:
             where += [f"P{instance.index}.{r}" for r in range(instance.tp) if r not in state.prefill_outcome]
         return where
 
+    def _excused(self, where: str, room: int) -> bool:
+        """A rank may end a room past its deadline while its process is stalled (it handles nothing), or, on
+        prefill, while the room drains a write (R6: RoomFailed only once no write reads its pages; a write lives
+        at most max_write_s). Both are bounded, so the room is checked again a grace period later."""
+        node = self.world.nodes.get(where)
+        if node is None or node.endpoint is None:
+            return False
+        if node.paused_until is not None:
+            return True
+        endpoint = node.endpoint
+        return isinstance(endpoint, PrefillEndpoint) and endpoint.room_state(room) == PrefillRoomState.DRAINING
+
     def all_rooms_done(self) -> bool:
-        return self._next_deadline >= len(self._deadlines) or all(not self.open_ranks(r) for r in self.world.rooms)
+        return not self._deadlines or all(not self.open_ranks(r) for r in self.world.rooms)
 
     # ---- at the end ---------------------------------------------------------------------------------------------
 

@@ -5,8 +5,10 @@ deliveries on the world's `EventQueue`. Every random choice is drawn from the wo
 a fixed order, so a seed replays exactly. Frames are opaque bytes here: endpoints encode and decode them with
 the real wire codec, so hostile or truncated frames exercise the real decoder.
 
-Invariants: a frame is never delivered before it is sent; a partition drops every frame sent across it while it
-lasts; nothing else is dropped except by the profile's loss probability. Called by sim/world.py.
+Invariants: a frame is never delivered before it is sent; a partition drops every frame sent across it (in the
+directions it cuts) while it lasts; nothing else is dropped except by the profile's loss probability. A partition
+cuts the data path too (writes posted across it fail) unless it is a control-plane partition. Called by
+sim/world.py and sim/dataplane.py.
 """
 
 from __future__ import annotations
@@ -37,10 +39,20 @@ class NetworkStats:
 
 @dataclass(slots=True)
 class Partition:
-    """Every frame between a node of `side` and a node outside it is dropped until `until`."""
+    """Frames from `side` out (`outbound`) and from outside in (`inbound`) are dropped until `until`; writes
+    across it fail too when `data`."""
 
     side: frozenset[str]
     until: float
+    data: bool = True
+    inbound: bool = True
+    outbound: bool = True
+
+    def cuts(self, src: str, dst: str) -> bool:
+        inside = src in self.side
+        if inside == (dst in self.side):
+            return False
+        return self.outbound if inside else self.inbound
 
 
 @dataclass(slots=True)
@@ -72,12 +84,12 @@ class Network:
         jitter = self.profile.delay_jitter
         return self.profile.delay_min + (self.rng.expovariate(1.0 / jitter) if jitter else 0.0)
 
-    def cut(self, src: str, dst: str, now: float) -> bool:
-        """True while a partition separates `src` from `dst`."""
+    def cut(self, src: str, dst: str, now: float, *, data: bool = False) -> bool:
+        """True while a partition cuts frames (or, with `data`, writes) from `src` to `dst`."""
         if not self.partitions:
             return False
         self.partitions = [p for p in self.partitions if p.until > now]
-        return any((src in p.side) != (dst in p.side) for p in self.partitions)
+        return any(p.cuts(src, dst) for p in self.partitions if p.data or not data)
 
-    def partition(self, side: frozenset[str], until: float) -> None:
-        self.partitions.append(Partition(side, until))
+    def partition(self, partition: Partition) -> None:
+        self.partitions.append(partition)

@@ -12,15 +12,13 @@ from __future__ import annotations
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
-from kvstage.protocol import DecodeEndpoint, PrefillEndpoint, Timing, WriteDirect, WriteRegion
+from kvstage.protocol import DecodeEndpoint, Event, PrefillEndpoint, WriteDirect, WriteRegion
 from kvstage.ring import StagingRing
-from kvstage.sim.clock import Scheduled
+from kvstage.sim.clock import NodeClock, Scheduled
 from kvstage.sim.invariants import Violation
 from kvstage.sim.memory import KVMemory, PagePool, StagingMemory, Words
-from kvstage.sim.scenario import RoomPlan
+from kvstage.sim.scenario import SIM_TIMING, RoomPlan
 
-#: Protocol timing in the simulated world: fast enough that runs are short, slow enough that delays matter.
-SIM_TIMING = Timing(heartbeat_s=0.1, dead_after_s=1.0, retry_initial_s=0.02, retry_max_s=0.25)
 #: Virtual seconds of one prefill forward pass, and per computed token.
 FORWARD_S = 0.002
 FORWARD_PER_TOKEN_S = 0.00005
@@ -29,6 +27,8 @@ WRITE_S = 0.001
 WRITE_PER_BYTE_S = 1e-8
 SCATTER_S = 0.0005
 GENERATE_S = 0.02
+#: Mean virtual seconds between an endpoint asking for a write and the runtime posting it (gather, queueing).
+POST_MEAN_S = 0.0005
 #: Rooms one prefill forward pass computes at once.
 BATCH = 2
 #: A run that has not quiesced this long after the last deadline is stuck (Q1).
@@ -53,18 +53,29 @@ class Node:
     pool: PagePool | None = None
     staging: StagingMemory | None = None
     ring: StagingRing | None = None
-    fenced: dict[str, tuple[int, int]] = field(default_factory=dict)
-    """decode: the newest fenced incarnation of each prefill peer; its writes never land."""
+    clock: NodeClock = field(default_factory=NodeClock)
+    paused_until: float | None = None
+    """While set, the node's process is stalled: what reaches it is held until it resumes."""
+    held: list[Event | PendingPost] = field(default_factory=list)
+    pause_armed: bool = False
+    """The node stalls right after it next asks for a write (FaultProfile.writer_pauses)."""
+
+
+@dataclass(frozen=True, slots=True)
+class PendingPost:
+    """A write an endpoint asked for, not yet posted to the transport (the runtime gathers and queues it)."""
+
+    node: Node
+    session: int
+    action: WriteRegion | WriteDirect
 
 
 @dataclass(slots=True)
 class InflightWrite:
-    """A bulk or direct write between issue and landing."""
+    """A bulk or direct write between posting and landing."""
 
     writer: Node
     session: int
-    incarnation: tuple[int, int]
-    target: Node
     action: WriteRegion | WriteDirect
     payload: bytes | Words | None
     """What the write carries (gathered when issued): staging bytes, or KV words on the direct path."""
@@ -94,19 +105,25 @@ class RoomState:
     first_failure: str | None = None
     """The first failure reason reported anywhere (either side, or an engine): the root cause."""
     pages_freed: bool = False
+    decode_lost: bool = False
+    """The decode instance crashed while it held the room: the room ended there with the process."""
 
     OK = "ok"
+    DECODE_CRASHED = "decode crashed"
 
     @property
     def decode_done(self) -> bool:
-        return self.engine_failure is not None or (
-            self.decode_admitted and len(self.decode_outcome) == len(self.decode_pages)
+        return (
+            self.engine_failure is not None
+            or self.decode_lost
+            or (self.decode_admitted and len(self.decode_outcome) == len(self.decode_pages))
         )
 
     @property
     def succeeded(self) -> bool:
         return (
             self.engine_failure is None
+            and not self.decode_lost
             and self.decode_admitted
             and all(v == self.OK for v in self.decode_outcome.values())
             and len(self.decode_outcome) == len(self.decode_pages)
@@ -143,6 +160,9 @@ class DecodeInstance:
     index: int
     tp: int
     waiting: deque[int] = field(default_factory=deque)
+    up: bool = True
+    crash_armed: bool = False
+    """The instance crashes right after the next write to it is posted (FaultProfile.decode_crashes)."""
 
 
 @dataclass(slots=True)

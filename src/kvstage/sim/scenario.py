@@ -1,7 +1,8 @@
 """What one seeded run simulates: the topology (instances and TP sizes) and the rooms (sizes, arrival, aborts).
 
-Owns: `SimConfig` (the knobs `kvstage sim` exposes), `Topology`, `RoomPlan` and `make_scenario`, which draws
-every choice from the world's one `random.Random` so the same seed gives the same scenario.
+Owns: `SimConfig` (the knobs `kvstage sim` exposes, plus the typed hooks tests use to plant bugs: the protocol
+timing and the endpoint classes), `SIM_TIMING`, `Topology`, `RoomPlan` and `make_scenario`, which draws every
+choice from the world's one `random.Random` so the same seed gives the same scenario.
 
 A scenario always has at least 2 prefill instances feeding 1-2 decode instances. Unless the TP sizes are pinned,
 instances get different TP sizes, so one run mixes fan-in (P > D), fan-out (P < D), replicated heads (TP > H)
@@ -19,7 +20,11 @@ from typing import Literal
 
 from kvstage.errors import ConfigError
 from kvstage.layout import KVLayout, heads_of_rank, pages_for, plan_staging
+from kvstage.protocol import DecodeEndpoint, PrefillEndpoint, Timing
 from kvstage.sim.faults import FAULT_LEVELS, FaultProfile
+
+#: Protocol timing in the simulated world: fast enough that runs are short, slow enough that delays matter.
+SIM_TIMING = Timing(heartbeat_s=0.1, dead_after_s=1.0, retry_initial_s=0.02, retry_max_s=0.25)
 
 #: Head counts the simulator draws from when `--kv-heads` is not given.
 HEAD_CHOICES: tuple[int, ...] = (1, 2, 4, 8)
@@ -55,6 +60,11 @@ class SimConfig:
     """Share of seeds (when --kv-heads is not pinned) that model an MLA model: every room takes the direct path."""
     fault_profile: FaultProfile | None = None
     """Overrides the named level (regression scenarios tune one fault at a time)."""
+    timing: Timing = SIM_TIMING
+    """Every endpoint's timing; the world's write bound and clock drift follow it."""
+    decode_endpoint: type[DecodeEndpoint] = DecodeEndpoint
+    prefill_endpoint: type[PrefillEndpoint] = PrefillEndpoint
+    """The endpoint classes every rank runs (tests/sim/test_planted_bugs.py plants a bug in a subclass)."""
 
     @property
     def profile(self) -> FaultProfile:
@@ -149,6 +159,9 @@ def make_scenario(rng: random.Random, config: SimConfig) -> Scenario:
         if rng.random() < config.prefix_fraction:
             prefix = config.page_size * rng.randint(1, MAX_PREFIX_PAGES)
             num_tokens += prefix
+        budget = config.room_budget
+        if profile.tight_deadlines and rng.random() < profile.tight_deadlines:
+            budget = rng.uniform(0.01, 0.15)
         abort_at: float | None = None
         abort_side: str | None = None
         if profile.abort_rooms and rng.random() < profile.abort_rooms:
@@ -163,7 +176,7 @@ def make_scenario(rng: random.Random, config: SimConfig) -> Scenario:
                 num_tokens=num_tokens,
                 prefix_tokens=prefix,
                 arrival=arrival,
-                deadline=arrival + config.room_budget,
+                deadline=arrival + budget,
                 abort_at=abort_at,
                 abort_side=abort_side,
             )

@@ -9,7 +9,14 @@ they return:
 
 - `Send`: encoded with the real codec and handed to the `Network` (loss, duplication, delay, partitions);
 - `WriteRegion` / `WriteDirect` / `Scatter` / `FenceScatter`: the data plane;
-- `FreePages`, `RoomSucceeded`, `RoomFailed`: the engines; `FencePeer`: the data plane's fence table.
+- `FreePages`, `RoomSucceeded`, `RoomFailed`: the engines;
+- `FencePeer`: nothing the world can do: the endpoint drops the fenced incarnation's frames itself, and
+  one-sided transports cannot refuse its writes (the writer's lease bounds them).
+
+Each node reads its own clock (`Node.clock`): every `handle` gets that node's `now`, and its timers are scheduled
+at the true time its clock reaches them. A paused node (a stalled writer) holds everything that reaches it until
+it resumes. The world also plays the process faults (writer partitions, pauses, decode crashes, restarts in
+quarantine) and the hostile peer, which forges, replays and alters real frames it saw on the wire.
 
 Every random choice comes from the world's one `random.Random(seed)`, drawn in event order, so a seed replays
 exactly. The `Checker` (sim/invariants.py) is called at every data operation and after every step.
@@ -21,7 +28,7 @@ from __future__ import annotations
 import random
 import time
 import traceback
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable
 from time import perf_counter
 from typing import Any, assert_never
@@ -43,20 +50,32 @@ from kvstage.protocol import (
     WriteRegion,
 )
 from kvstage.protocol.actions import Action
+from kvstage.protocol.messages import Envelope, Grant
 from kvstage.sim.clock import EventKind, EventQueue
 from kvstage.sim.dataplane import DataPlane
 from kvstage.sim.engines import Engines
-from kvstage.sim.hostile import hostile_frame
+from kvstage.sim.hostile import RECENT_FRAMES, forged_from, hostile_frame, stale_chunk_ready
 from kvstage.sim.invariants import Checker
-from kvstage.sim.network import Delivery, Network
-from kvstage.sim.records import DRAIN_S, MAX_STEPS, DecodeInstance, Node, PrefillInstance, RoomState, RunResult
+from kvstage.sim.network import Delivery, Network, Partition
+from kvstage.sim.records import (
+    DRAIN_S,
+    MAX_STEPS,
+    DecodeInstance,
+    Node,
+    PendingPost,
+    PrefillInstance,
+    RoomState,
+    RunResult,
+)
 from kvstage.sim.scenario import SimConfig, make_scenario
 from kvstage.sim.trace import ACTION, EVENT, Trace
 
 __all__ = ["RunResult", "World"]
 
 #: Event kinds that mean something is still in flight (the run is not quiescent while one is pending).
-_IN_FLIGHT = frozenset({EventKind.DELIVER, EventKind.COMPLETE, EventKind.SCATTER, EventKind.LAND})
+_IN_FLIGHT = frozenset(
+    {EventKind.DELIVER, EventKind.COMPLETE, EventKind.SCATTER, EventKind.LAND, EventKind.POST, EventKind.RESUME}
+)
 
 
 class World(DataPlane, Engines):
@@ -80,7 +99,11 @@ class World(DataPlane, Engines):
         self.steps = 0
         self._sessions = 0
         self._tokens = 0
+        self.quarantine_restarts_armed = 0
+        self._forgeries_armed = 0
+        self._recent: deque[tuple[str, str, Envelope]] = deque(maxlen=RECENT_FRAMES)
         self.nodes = {}
+        self.clocks = {}
         self.writes = {}
         self.scatters = {}
         self.fences = {}
@@ -108,9 +131,16 @@ class World(DataPlane, Engines):
             EventKind.ABORT: self._on_abort,
             EventKind.EXPIRE: self._on_expire,
             EventKind.GENERATED: self._on_generated,
+            EventKind.POST: self._on_post,
             EventKind.CRASH: self._on_crash,
             EventKind.RESTART: self._on_restart,
+            EventKind.DECODE_CRASH: self._on_decode_crash,
+            EventKind.DECODE_RESTART: self._on_decode_restart,
+            EventKind.QUARANTINE_RESTART: self._on_quarantine_restart,
             EventKind.PARTITION: self._on_partition,
+            EventKind.WRITER_PARTITION: self._on_writer_partition,
+            EventKind.PAUSE: self._on_pause_armed,
+            EventKind.RESUME: self._on_resume,
             EventKind.HOSTILE: self._on_hostile,
         }
 
@@ -126,13 +156,27 @@ class World(DataPlane, Engines):
         self.last_deadline = max(plan.deadline for plan in self.scenario.rooms)
         span = last_arrival + 0.2
         for _ in range(profile.prefill_crashes):
-            self.queue.push(self.rng.uniform(0.0, span), EventKind.CRASH, self.rng.randrange(len(self.prefill)))
+            crash = (self.rng.randrange(len(self.prefill)), self.rng.uniform(0.05, 2 * self.config.timing.dead_after_s))
+            self.queue.push(self.rng.uniform(0.0, span), EventKind.CRASH, crash)
         for _ in range(profile.partitions):
             self.queue.push(self.rng.uniform(0.0, span), EventKind.PARTITION, None)
+        for _ in range(self._count(profile.writer_partitions)):
+            self.queue.push(self.rng.uniform(0.0, span), EventKind.WRITER_PARTITION, None)
+        for _ in range(self._count(profile.writer_pauses)):
+            self.queue.push(self.rng.uniform(0.0, span), EventKind.PAUSE, None)
+        for _ in range(self._count(profile.decode_crashes)):
+            self.queue.push(self.rng.uniform(0.0, span), EventKind.DECODE_CRASH, self.rng.randrange(len(self.decode)))
+        for _ in range(self._count(profile.quarantine_restarts)):
+            self.queue.push(self.rng.uniform(0.0, span), EventKind.QUARANTINE_RESTART, None)
         if profile.hostile_frames:
             count = max(1, round(profile.hostile_frames * 100))
             for _ in range(count):
                 self.queue.push(self.rng.uniform(0.0, span), EventKind.HOSTILE, None)
+
+    def _count(self, rate: float) -> int:
+        """How many times a process fault happens in this seed: `rate` on average (see faults.py)."""
+        whole = int(rate)
+        return whole + (1 if rate > whole and self.rng.random() < rate - whole else 0)
 
     # ---- the main loop -----------------------------------------------------------------------------------------------
 
@@ -211,9 +255,12 @@ class World(DataPlane, Engines):
         endpoint = node.endpoint
         if endpoint is None:
             return
-        now = self.queue.now
+        if node.paused_until is not None:
+            node.held.append(event)
+            return
+        now = node.clock.read(self.queue.now)
         self.events += 1
-        self.trace.record(now, node.peer_id, EVENT, event)
+        self.trace.record(self.queue.now, node.peer_id, EVENT, event)
         began = perf_counter()
         try:
             actions = endpoint.handle(event, now)
@@ -235,13 +282,14 @@ class World(DataPlane, Engines):
     def _reschedule_timer(self, node: Node) -> None:
         endpoint = node.endpoint
         due = endpoint.next_timer() if endpoint is not None else None
+        at = None if due is None else node.clock.when(due)
         if node.timer is not None:
-            if due is not None and node.timer.time == max(due, self.queue.now) and not node.timer.cancelled:
+            if at is not None and node.timer.time == max(at, self.queue.now) and not node.timer.cancelled:
                 return
             self.queue.cancel(node.timer)
             node.timer = None
-        if due is not None:
-            node.timer = self.queue.push(due, EventKind.TICK, (node, node.session))
+        if at is not None:
+            node.timer = self.queue.push(at, EventKind.TICK, (node, node.session))
 
     def _on_tick(self, payload: tuple[Node, int]) -> None:
         node, session = payload
@@ -263,7 +311,7 @@ class World(DataPlane, Engines):
             case FreePages():
                 self._free_decode_pages(node, action)
             case FencePeer():
-                self._fence_peer(node, action)
+                pass  # frames: the endpoint drops them; writes: a one-sided transport cannot refuse them
             case RoomSucceeded():
                 self._room_succeeded(node, action.room)
             case RoomFailed():
@@ -277,6 +325,10 @@ class World(DataPlane, Engines):
         envelope = action.envelope
         if node.side == "decode":
             self.checker.observe_decode_send(node, envelope)
+        if self.profile.hostile_frames:
+            self._recent.append((node.peer_id, action.peer, envelope))
+            if self._forgeries_armed and isinstance(envelope.body, Grant):
+                self._forge_stale_chunk_ready(node.peer_id, action.peer, envelope.body)
         if self.profile.send_failure and self.rng.random() < self.profile.send_failure:
             self._complete(node, node.session, SendFailed(action.peer, envelope, "sim"), self.queue.now)
             return
@@ -288,19 +340,81 @@ class World(DataPlane, Engines):
             self.feed(node, ReceivedFrame(payload.frame))
 
     def _on_hostile(self, _payload: None) -> None:
-        names = sorted(self.nodes)
-        node = self.nodes[self.rng.choice(names)]
-        frame = hostile_frame(self.rng, self.codec, names, sorted(self.rooms))
+        """A hostile or confused peer: junk and forged frames, or a real frame it saw on the wire, replayed as is,
+        from a stale incarnation, about a room its sender has no part in, or (armed here, sent at the next Grant)
+        a ChunkReady in the writer's name with another grant's epoch."""
         self.checker.hostile_sent += 1
-        if node.endpoint is not None:
-            self.feed(node, ReceivedFrame(frame))
+        kind = self.rng.randrange(5)
+        if kind == 0 or not self._recent:
+            names = sorted(self.nodes)
+            node = self.nodes[self.rng.choice(names)]
+            frame = hostile_frame(self.rng, self.codec, names, sorted(self.rooms))
+            if node.endpoint is not None:
+                self.feed(node, ReceivedFrame(frame))
+            return
+        if kind == 4:
+            self._forgeries_armed += 1
+            return
+        src, dst, envelope = self._recent[self.rng.randrange(len(self._recent))]
+        foreign = [r for r, s in self.rooms.items() if f"P{s.plan.prefill}." not in src]
+        forged = forged_from(self.rng, envelope, kind, foreign)
+        if forged is not None:
+            self._deliver_forged(src, dst, forged)
+
+    def _forge_stale_chunk_ready(self, decode: str, writer: str, grant: Grant) -> None:
+        node = self.nodes.get(writer)
+        if node is None or node.endpoint is None:
+            return
+        self._forgeries_armed -= 1
+        envelope = stale_chunk_ready(writer, node.session, node.endpoint.epoch_towards(decode), grant)
+        self._deliver_forged(writer, decode, envelope)
+
+    def _deliver_forged(self, src: str, dst: str, envelope: Envelope) -> None:
+        self.trace.record(self.queue.now, "hostile", "forges", f"as {src} to {dst}")
+        frame = self.codec.encode(envelope)
+        self.queue.push(self.queue.now + self.network.delay(), EventKind.DELIVER, Delivery(src, dst, frame))
 
     def _on_partition(self, _payload: None) -> None:
         names = sorted(self.nodes)
         side = frozenset(self.rng.sample(names, self.rng.randint(1, max(1, len(names) // 3))))
         length = self.rng.uniform(0.1, self.profile.partition_length)
         self.trace.record(self.queue.now, "world", "partition", f"{sorted(side)} for {length * 1000:.0f}ms")
-        self.network.partition(side, self.queue.now + length)
+        self.network.partition(Partition(side, self.queue.now + length))
+
+    def _on_writer_partition(self, _payload: None) -> None:
+        """One writer loses its control frames (both ways, or only in or only out); its data path stays up."""
+        writer = self.rng.choice(sorted(name for name, node in self.nodes.items() if node.side == "prefill"))
+        length = self.rng.uniform(0.3, 2.0) * self.config.timing.dead_after_s
+        inbound, outbound = self.rng.choice(((True, True), (True, False), (False, True)))
+        way = "both ways" if inbound and outbound else "inbound" if inbound else "outbound"
+        self.trace.record(self.queue.now, "world", "writer partition", f"{writer} {way} for {length * 1000:.0f}ms")
+        self.network.partition(Partition(frozenset({writer}), self.queue.now + length, False, inbound, outbound))
+
+    def _on_pause_armed(self, _payload: None) -> None:
+        writer = self.rng.choice(sorted(name for name, node in self.nodes.items() if node.side == "prefill"))
+        self.nodes[writer].pause_armed = True
+
+    def _pause(self, node: Node) -> None:
+        node.pause_armed = False
+        length = self.rng.uniform(1.0, 1.8) * self.config.timing.dead_after_s
+        node.paused_until = self.queue.now + length
+        self.trace.record(self.queue.now, node.peer_id, "PAUSE", f"for {length * 1000:.0f}ms")
+        self.queue.push(node.paused_until, EventKind.RESUME, (node, node.session))
+
+    def _on_resume(self, payload: tuple[Node, int]) -> None:
+        """The stalled writer runs again: it handles what reached it meanwhile, in order, then posts its writes."""
+        node, session = payload
+        if node.session != session or node.endpoint is None:
+            return
+        node.paused_until = None
+        held, node.held = node.held, []
+        self.trace.record(self.queue.now, node.peer_id, "RESUME", f"{len(held)} held")
+        for item in held:
+            if isinstance(item, PendingPost):
+                self._on_post(item)
+            else:
+                self.feed(node, item)
+        self._reschedule_timer(node)
 
     def _on_complete(self, payload: tuple[Node, int, Event]) -> None:
         node, session, event = payload
