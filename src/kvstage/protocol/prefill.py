@@ -417,7 +417,7 @@ class PrefillEndpoint(EndpointCore):
                 self._drained(r)
             return
         if not ok:  # a write that failed because decode is gone ends the room as the liveness check would
-            self._fail(r, reasons.PEER_DEAD if peer_gone else reasons.TRANSFER_FAILED)
+            self._fail(r, _write_failure(reason, peer_gone))
             return
         link = r.links[peer_id]
         chunk = link.chunks[index]
@@ -546,3 +546,11 @@ class PrefillEndpoint(EndpointCore):
             peer = self._peers.get(peer_id)
             if peer is not None:
                 peer.rooms.pop(r.room, None)
+
+
+def _write_failure(reason: str, peer_gone: bool) -> str:
+    """The room's reason for a failed write: the peer is gone ("peer dead", as the liveness check would say), the
+    write was refused for a lapsed lease ("lease expired", R13), or else "transfer failed"."""
+    if peer_gone:
+        return reasons.PEER_DEAD
+    return reasons.LEASE_EXPIRED if reason == reasons.LEASE_EXPIRED else reasons.TRANSFER_FAILED

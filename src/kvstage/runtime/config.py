@@ -8,7 +8,7 @@ prefill.py), the bench and the demos.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from kvstage.errors import ConfigError
 from kvstage.layout import KVLayout
@@ -57,9 +57,24 @@ class AgentConfig:
     park: ParkLimits = field(default_factory=ParkLimits)
     resolve_refresh_s: float = 1.0
 
+    def __post_init__(self) -> None:
+        bound = self.transport.max_write_s
+        if bound is not None and bound > self.timing.max_write_s:
+            raise ConfigError(
+                f"transport.max_write_s={bound} exceeds timing.max_write_s={self.timing.max_write_s}: decode's "
+                "quarantine (docs/protocol.md, R13) assumes every write lands within the timing's bound"
+            )
+
     @property
     def peer_id(self) -> str:
         return peer_id(self.instance, self.rank)
+
+    @property
+    def bounded_transport(self) -> TransportConfig:
+        """The transport configuration with every write's lifetime bounded by `timing.max_write_s` (R13)."""
+        if self.transport.max_write_s is not None:
+            return self.transport
+        return replace(self.transport, max_write_s=self.timing.max_write_s)
 
     def record(self, role: str, control_address: str, session: int, descriptors: dict[str, bytes]) -> PeerRecord:
         """What this rank publishes in the bootstrap, as `role`, reachable at `control_address`."""

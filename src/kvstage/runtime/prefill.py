@@ -50,6 +50,7 @@ from kvstage.protocol import (
     WriteRegion,
 )
 from kvstage.protocol.prefill import PrefillRoomState
+from kvstage.protocol.reasons import LEASE_EXPIRED
 from kvstage.ring import Allocation, StagingRing, region_ready
 from kvstage.runtime.agent import BaseAgent
 from kvstage.runtime.config import AgentConfig, AgentSnapshot, RoomOutcome
@@ -375,7 +376,8 @@ class PrefillAgent(BaseAgent):
     def _submit(self, write: _Write, runs: list[tuple[int, int, int]], source: LocalRegion) -> None:
         write.started = time.perf_counter()
         self.metrics.transfer_started()
-        self._in_flight[self.transport.write_batch(source, write.remote, runs, write.after)] = write
+        lease = self.endpoint.lease_until(write.action.peer)  # checked again right before the bytes move
+        self._in_flight[self.transport.write_batch(source, write.remote, runs, write.after, not_after=lease)] = write
 
     def _submit_queued(self, peer: str) -> None:
         """Post `peer`'s queued writes in order while its window has room and this writer's lease towards it holds.
@@ -401,9 +403,8 @@ class PrefillAgent(BaseAgent):
             if write.slot is not None:
                 self._slab.free(write.slot)
             self.metrics.transfer_finished(write.nbytes, time.perf_counter() - write.started, done.ops, done.ok)
-            self._complete(
-                write.action.token, done.ok, "" if done.ok else f"transfer failed: {done.reason}", done.peer_gone
-            )
+            reason = "" if done.ok else _write_failure(done.reason)
+            self._complete(write.action.token, done.ok, reason, done.peer_gone)
             self._submit_queued(write.action.peer)
 
     def _after_turn(self) -> None:
@@ -431,3 +432,9 @@ class PrefillAgent(BaseAgent):
             pending_sends=base.pending_sends,
             stats=stats,
         )
+
+
+def _write_failure(reason: str) -> str:
+    """The Completion reason of a failed write: "lease expired" as it is (the endpoint fails the room with it: the
+    write was refused before any byte moved), anything else as a transfer failure."""
+    return reason if reason == LEASE_EXPIRED else f"transfer failed: {reason}"
