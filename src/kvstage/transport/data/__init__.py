@@ -1,4 +1,4 @@
-"""Data transports: one-sided bulk writes into a peer's registered memory (local shm, Mooncake TE, NIXL).
+"""Data transports: one-sided bulk writes into a peer's registered memory (local shm, Mooncake TE, NIXL, CUDA IPC).
 
 Owns: the factory `create_transport`, which imports a backend only when it is chosen, so a missing optional
 package matters only to the user who picks that backend (`TransportUnavailable` names the pip extra).
@@ -41,6 +41,10 @@ def create_transport(config: TransportConfig) -> DataTransport:
         from kvstage.transport.data.mooncake import MooncakeTransport
 
         return MooncakeTransport(config)
+    if config.backend == "cuda_ipc":
+        from kvstage.transport.data.cuda_ipc import CudaIpcTransport
+
+        return CudaIpcTransport(config)
     if config.backend == "nixl":
         from kvstage.transport.data.nixl import NixlTransport
 

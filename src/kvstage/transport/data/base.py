@@ -10,7 +10,8 @@ every method is nonetheless safe to call from any thread):
 
 | primitive                                   | side    | called by                                          |
 |---------------------------------------------|---------|----------------------------------------------------|
-| `allocate(nbytes) -> LocalRegion`           | both    | decode: staging ring and KV pool; prefill: staging |
+| `allocate(nbytes, device=) -> LocalRegion`  | both    | decode: staging ring and KV pool; prefill: staging |
+| `staging_device(kv_device) -> device`       | both    | where the agents put their ring and staging slab   |
 | `register(tensor) -> LocalRegion`           | both    | to expose memory the caller already owns           |
 | `register_address(addr, n) -> LocalRegion`  | both    | the same, for memory known only by address         |
 | `export(region) -> RegionDescriptor`        | reader  | decode, when it registers its ring with writers    |
@@ -43,7 +44,11 @@ Invariants:
 - `ops_issued` counts transfer operations handed to the backend: 1 per `write`, `len(slices)` per
   `write_batch`. The bench reports it as "transfer operations per request";
 - a descriptor decoded from the wire is bounded (`MAX_DESCRIPTOR_PAYLOAD`) before anything is allocated for it;
-- registered regions of one transport must not overlap (Mooncake refuses overlapping registrations).
+- registered regions of one transport must not overlap (Mooncake refuses overlapping registrations);
+- GPU memory: only a backend with `device_memory` (cuda_ipc) allocates or registers it; `staging_device` is the
+  KV's GPU for such a backend and the host otherwise, so the agents' staging falls back to host memory;
+- `write_batch(..., after=event)`: the writes start only after that CUDA event (the gather that filled the
+  source); a backend that copies on a stream orders its stream after it, any other waits for it first.
 
 A backend whose Python package is missing raises `kvstage.errors.TransportUnavailable` from its constructor,
 naming the pip extra. Backends subclass `DataTransport` and implement the `_`-prefixed hooks only.
@@ -73,7 +78,7 @@ MAX_DESCRIPTOR_PAYLOAD = 1 << 20
 MAX_NAME_LEN = 256
 """Upper bound of an agent name accepted from the wire."""
 
-BACKENDS = ("local", "mooncake", "nixl")
+BACKENDS = ("local", "mooncake", "nixl", "cuda_ipc")
 
 LEASE_EXPIRED = "lease expired"
 """Reason of a write refused because its `not_after` had passed before its first byte would move."""
@@ -182,7 +187,8 @@ def check_descriptor(descriptor: RegionDescriptor) -> None:
 
 @dataclass(frozen=True, slots=True, eq=False)
 class LocalRegion:
-    """A registered local region: `tensor` is a flat uint8 CPU view of exactly its bytes."""
+    """A registered local region: `tensor` is a flat uint8 view of exactly its bytes (on the CPU, or on a GPU for
+    a backend with `device_memory`)."""
 
     region_id: int
     tensor: torch.Tensor
@@ -278,7 +284,9 @@ class DataTransport(ABC):
     Hooks run with the transport's lock held, and must not block for long:
     - `_register(tensor, region_id)`: make `tensor` usable as a source or target (pin, register with the NIC);
     - `_allocate(nbytes, region_id, pinned) -> tensor`: memory a peer can write into (default: a fresh tensor,
-      page-locked for CUDA when `pinned`);
+      page-locked for CUDA when `pinned`); `_allocate_device(nbytes, device) -> tensor`: the same on a GPU
+      (backends with `device_memory` only);
+    - `_order_after(event)`: the next writes start after a CUDA event (default: wait for it);
     - `_unregister(region)`, `_export_payload(region) -> bytes`, `_import(desc, key)`, `_forget(remote)`;
     - `_submit(transfer_id, src, dst, slices, bound) -> str`: start the writes, moving their bytes only as
       `bound` allows (`WriteBound.move` on the thread that moves them); return "" or a failure reason;
@@ -290,6 +298,8 @@ class DataTransport(ABC):
     #: Whether registering host memory with the backend already page-locks it for CUDA; `allocate(pinned=True)`
     #: then leaves page-locking to the backend (CUDA refuses to page-lock the same memory twice).
     pins_for_cuda: ClassVar[bool] = False
+    #: Whether the backend moves GPU memory: `allocate(device="cuda:N")` and `register` of GPU tensors.
+    device_memory: ClassVar[bool] = False
 
     def __init__(self, config: TransportConfig) -> None:
         self.config = config
@@ -305,28 +315,40 @@ class DataTransport(ABC):
         self._wake: Callable[[], None] | None = None
 
     # ---- memory -------------------------------------------------------------------------------------------
-    def allocate(self, nbytes: int, pinned: bool = False) -> LocalRegion:
+    def allocate(self, nbytes: int, pinned: bool = False, device: str | torch.device = "cpu") -> LocalRegion:
         """Allocate and register `nbytes` of zeroed memory that peers can write into (ring, staging).
 
-        `pinned` asks for memory page-locked for CUDA, for copies to and from a GPU at DMA speed. It is a hint:
-        ignored without CUDA, and by backends that cannot (local: shared-memory files) or that page-lock
+        `device` is where: the host, or a GPU for a backend with `device_memory` (else `TransportError`).
+        `pinned` asks for host memory page-locked for CUDA, for copies to and from a GPU at DMA speed. It is a
+        hint: ignored without CUDA, and by backends that cannot (local: shared-memory files) or that page-lock
         registered memory themselves (`pins_for_cuda`)."""
         if nbytes <= 0:
             raise ValueError(f"allocate needs a positive size, got {nbytes}")
+        where = torch.device(device)
+        if where.type != "cpu" and not self.device_memory:
+            raise TransportError(f"the {self.backend} backend moves host memory only; it cannot allocate on {where}")
         with self._lock:
             self._check_open()
             region_id = next(self._ids)
-            region = LocalRegion(region_id, self._allocate(nbytes, region_id, pinned))
+            if where.type == "cpu":
+                region = LocalRegion(region_id, self._allocate(nbytes, region_id, pinned))
+            else:
+                region = LocalRegion(region_id, self._allocate_device(nbytes, where))
             self._regions[region_id] = region
             return region
 
-    def register(self, tensor: torch.Tensor) -> LocalRegion:
-        """Register caller-owned memory (a contiguous CPU tensor, viewed as bytes) and return its handle.
+    def staging_device(self, kv_device: torch.device) -> torch.device:
+        """Where a rank whose KV is on `kv_device` keeps its staging (decode ring, prefill slab): on that GPU when
+        this backend moves GPU memory (`device_memory`), else in host memory (the fallback)."""
+        return kv_device if kv_device.type == "cuda" and self.device_memory else torch.device("cpu")
 
-        The caller keeps `tensor` alive until `unregister`. The local backend can export only memory from
-        `allocate`; a registered tensor can always be a write source.
+    def register(self, tensor: torch.Tensor) -> LocalRegion:
+        """Register caller-owned memory (a contiguous tensor, viewed as bytes) and return its handle.
+
+        The caller keeps `tensor` alive until `unregister`. The local and cuda_ipc backends can export only memory
+        from `allocate`; a registered tensor can always be a write source. GPU tensors only with `device_memory`.
         """
-        flat = _as_bytes(tensor)
+        flat = _as_bytes(tensor, self.device_memory)
         with self._lock:
             self._check_open()
             region_id = next(self._ids)
@@ -391,10 +413,17 @@ class DataTransport(ABC):
         return self.write_batch(src, dst, ((src_offset, dst_offset, length),), not_after=not_after)
 
     def write_batch(
-        self, src: LocalRegion, dst: RemoteRegion, slices: Sequence[Slice], *, not_after: float | None = None
+        self,
+        src: LocalRegion,
+        dst: RemoteRegion,
+        slices: Sequence[Slice],
+        after: torch.cuda.Event | None = None,
+        *,
+        not_after: float | None = None,
     ) -> int:
         """Start one write per slice between one region pair; one transfer id completes when all have landed.
 
+        `after`: a CUDA event the writes are ordered after (the gather that filled `src`); see `_order_after`.
         `not_after` (a `time.monotonic()` reading, None: no limit): the write moves no byte unless it starts before
         then, checked here and again right before its first byte moves; else it fails with `LEASE_EXPIRED`."""
         if not slices:
@@ -408,6 +437,8 @@ class DataTransport(ABC):
             bound = WriteBound(not_after, self.config.max_write_s)
             reason = LEASE_EXPIRED if bound.expired(time.monotonic()) else self._precheck(src, dst, slices)
             if not reason:
+                if after is not None:
+                    self._order_after(after)
                 self._ops_issued += len(slices)
                 reason = self._submit(transfer_id, src, dst, slices, bound)
             if reason:
@@ -493,6 +524,14 @@ class DataTransport(ABC):
         return ""
 
     # ---- backend hooks -------------------------------------------------------------------------------------
+    def _order_after(self, event: torch.cuda.Event) -> None:
+        """Make the next writes start after `event`. Host backends read host memory that the gather filled, so they
+        wait for it here (a host-staging gather has landed before it reports, so this returns at once)."""
+        event.synchronize()
+
+    def _allocate_device(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        raise TransportError(f"the {self.backend} backend cannot allocate GPU memory")
+
     def _allocate(self, nbytes: int, region_id: int, pinned: bool) -> torch.Tensor:
         pin = pinned and not self.pins_for_cuda and torch.cuda.is_available()
         tensor = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=pin)
@@ -526,10 +565,10 @@ class DataTransport(ABC):
     def _close(self) -> None: ...
 
 
-def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    """Flat uint8 view of a contiguous CPU tensor, sharing its memory."""
-    if tensor.device.type != "cpu":
-        raise ValueError(f"data transports register CPU memory; got a tensor on {tensor.device}")
+def _as_bytes(tensor: torch.Tensor, device_memory: bool) -> torch.Tensor:
+    """Flat uint8 view of a contiguous tensor, sharing its memory; a GPU tensor only where `device_memory`."""
+    if tensor.device.type != "cpu" and not device_memory:
+        raise ValueError(f"this data transport registers CPU memory; got a tensor on {tensor.device}")
     if not tensor.is_contiguous() or tensor.numel() == 0:
         raise ValueError("data transports register non-empty contiguous tensors only")
     return tensor.reshape(-1).view(torch.uint8)
