@@ -166,9 +166,9 @@ def test_a_writer_keeps_at_most_its_window_of_writes_in_flight_per_decode_peer(m
     for agent in cluster.prefill:
         transport, submit = agent.transport, agent.transport.write_batch
 
-        def counting(src, dst, slices, transport=transport, submit=submit):
+        def counting(src, dst, slices, *more, transport=transport, submit=submit, **options):
             seen.append(transport.in_flight)  # writes already in flight when this one goes out
-            return submit(src, dst, slices)
+            return submit(src, dst, slices, *more, **options)
 
         transport.write_batch = counting
     sides = {room: _run_room(cluster, room, 64) for room in (1, 2)}  # 8 chunks each, all granted at once

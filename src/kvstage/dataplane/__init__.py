@@ -2,12 +2,14 @@
 per-slice baseline (torch).
 
 Owns the tensors; the arithmetic they follow (head mapping, block offsets, chunk grid) lives in `kvstage.layout`.
-The same code runs on CPU and CUDA. Called by the runtime agents, the reference engine, the simulator, the demo
+The same code runs on CPU and CUDA; on CUDA, copies are queued on a stream and a `CopyFence` (one event) says
+when they have landed. Called by the runtime agents, the reference engine, the simulator, the demo
 and the benchmarks.
 """
 
 from kvstage.dataplane.direct import SliceCopy, copy_direct, plan_direct_slices, transfer_direct
 from kvstage.dataplane.engine_kv import EngineKV, KVCacheFormat, KVStore
+from kvstage.dataplane.fence import LANDED, CopyFence
 from kvstage.dataplane.pool import (
     TORCH_DTYPES,
     KVPool,
@@ -24,6 +26,7 @@ from kvstage.dataplane.stage import (
     gather,
     gather_block,
     gather_slots,
+    queue_scatter_region,
     scatter,
     scatter_block,
     scatter_region,
@@ -32,7 +35,9 @@ from kvstage.dataplane.stage import (
 )
 
 __all__ = [
+    "LANDED",
     "TORCH_DTYPES",
+    "CopyFence",
     "EngineKV",
     "KVCacheFormat",
     "KVPool",
@@ -50,6 +55,7 @@ __all__ = [
     "gather_block",
     "gather_slots",
     "plan_direct_slices",
+    "queue_scatter_region",
     "scatter",
     "scatter_block",
     "scatter_region",

@@ -8,9 +8,13 @@ regions of.
 Block layout (see docs/layout.md): `[K layer 0..L-1 | V layer 0..L-1]`, each layer token-major
 `tokens x heads x head_dim`, i.e. a contiguous `[2, L, tokens, heads, head_dim]` array.
 
-Host staging: the staging buffer may sit in host memory while the KV is on a GPU (what the DRAM transports
-register). Gather then selects on the GPU and copies the block down once; scatter copies it up once and selects
-on the GPU. Both return only when the bytes have landed, so the caller may free or reuse the region at once.
+Staging on the KV's GPU (a backend with device memory, `DataTransport.staging_device`): gather and scatter queue
+their kernels on the current stream and return at once; the caller records a `CopyFence` after them and frees or
+reuses the region once it is done (the copy thread and the decode agent do). Host staging: the staging buffer sits
+in host memory while the KV is on a GPU (what the DRAM transports register). Gather then selects on the GPU and
+copies the block down once, returning once it has landed; scatter copies it up once and selects on the GPU,
+queued like the device case. `scatter_slots` and `scatter_region_slots` wait for their own fence before they
+return (one event, never the whole stream); `queue_scatter_region` does not.
 
 KV stores: a kvstage `KVPool` or an engine's own KV (`EngineKV`, read and written in place). Both hand out
 `Plane`s, slot-addressed integer views: a `KVPool` is one plane over every layer and both K and V, so each copy
@@ -36,6 +40,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvstage.dataplane.engine_kv import KVStore
+from kvstage.dataplane.fence import CopyFence
 from kvstage.dataplane.pool import WORD_DTYPES, Pages, Plane
 from kvstage.errors import InvalidRequest
 from kvstage.layout import Chunk, StagingPlan, WriterBlock
@@ -193,15 +198,16 @@ def scatter_slots(
 ) -> int:
     """`scatter` for slots already returned by `kv.slot_indices`: one copy per plane, no page validation."""
     nbytes = _queue_scatter(staging, offset, kv, slots, head_start, num_heads)
-    _wait_landed(kv)
+    CopyFence.record(kv.device).wait()
     return nbytes
 
 
 def _queue_scatter(
     staging: torch.Tensor, offset: int, kv: KVStore, slots: torch.Tensor, head_start: int, num_heads: int
 ) -> int:
-    """Queue one block's scatter on the current stream; the caller waits with `_wait_landed` before the staging
-    bytes may change. Host staging of a device store: one copy up (not waited for), then the scatter kernels."""
+    """Queue one block's scatter on the current stream; the caller waits for a `CopyFence` recorded after it before
+    the staging bytes may change. Host staging of a device store: one copy up (not waited for), then the scatter
+    kernels."""
     if (address := _kernel_address(kv, staging)) is not None:
         return address.scatter(staging, offset, slots, head_start, num_heads)
     planes, block = _views(kv, staging, offset, slots.numel(), num_heads)
@@ -219,13 +225,6 @@ def _kernel_address(kv: KVStore, staging: torch.Tensor) -> KVAddress | None:
     from kvstage.dataplane.kernels import address_of  # Triton: imported only for CUDA
 
     return address_of(kv)
-
-
-def _wait_landed(kv: KVStore) -> None:
-    """Return once every queued scatter into `kv` has landed, whichever stream reads it next, and the staging
-    bytes they read may be reused."""
-    if kv.device.type == "cuda":
-        torch.cuda.current_stream(kv.device).synchronize()
 
 
 def _check_block(kv: KVStore, block: WriterBlock, num_tokens: int) -> None:
@@ -292,15 +291,23 @@ def scatter_region_slots(
     staging: torch.Tensor, region_offset: int, plan: StagingPlan, kv: KVStore, slots: torch.Tensor
 ) -> int:
     """`scatter_region` into `slots` (from `kv.request_slots(...).range`, one per token of the plan)."""
+    nbytes = queue_scatter_region(staging, region_offset, plan, kv, slots)
+    CopyFence.record(kv.device).wait()  # one wait for the whole region
+    return nbytes
+
+
+def queue_scatter_region(
+    staging: torch.Tensor, region_offset: int, plan: StagingPlan, kv: KVStore, slots: torch.Tensor
+) -> int:
+    """`scatter_region_slots` without the wait: the copies are queued on the current stream; the region's bytes may
+    change only once a `CopyFence` recorded after them is done. Every block is checked before the first is queued."""
     if plan.num_tokens != slots.numel():
         raise InvalidRequest(f"plan for {plan.num_tokens} tokens cannot scatter into {slots.numel()} slots")
     _check_region(staging, region_offset, plan, kv)
-    nbytes = sum(
+    return sum(
         _queue_scatter(staging, region_offset + b.offset, kv, slots, b.transfer.dst_head_start, b.transfer.num_heads)
         for b in plan.blocks
     )
-    _wait_landed(kv)  # one wait for the whole region
-    return nbytes
 
 
 def _check_region(staging: torch.Tensor, region_offset: int, plan: StagingPlan, kv: KVStore) -> None:

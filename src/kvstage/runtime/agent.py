@@ -160,7 +160,7 @@ class BaseAgent(ABC):
 
         Blocking (network), so call it at engine start-up, not on the scheduler path.
         """
-        self.transport = create_transport(self.config.transport)
+        self.transport = create_transport(self.config.bounded_transport)
         self.transport.on_completion(lambda: self._events.put(_WAKE))
         try:
             descriptors = self._setup_memory()
@@ -197,7 +197,7 @@ class BaseAgent(ABC):
         except BaseException:
             self.transport.close()
             raise
-        self.copier = Copier(self._events.put, name=f"{self.peer_id}-copier")
+        self.copier = Copier(self._events.put, name=f"{self.peer_id}-copier", device=self.pool.device)
         self._started = True
         self._thread.start()
         return self
@@ -287,9 +287,11 @@ class BaseAgent(ABC):
             return {}
 
     def _host_region(self, nbytes: int) -> LocalRegion:
-        """Transport memory for staging (prefill) or the ring (decode). When the pool is on a GPU it is asked for
-        page-locked, so the copies between it and the pool run at DMA speed (see `DataTransport.allocate`)."""
-        return self.transport.allocate(nbytes, pinned=self.pool.device.type == "cuda")
+        """Transport memory for staging (prefill) or the ring (decode), where `staging_device` says: on the KV's GPU
+        when the backend moves GPU memory (cuda_ipc), else on the host, page-locked when the KV is on a GPU, so the
+        copies between it and the KV run at DMA speed (see `DataTransport.allocate`)."""
+        device = self.transport.staging_device(self.pool.device)
+        return self.transport.allocate(nbytes, pinned=self.pool.device.type == "cuda", device=device)
 
     # ---- subclass hooks ----------------------------------------------------------------------------------
 

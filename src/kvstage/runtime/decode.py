@@ -7,18 +7,28 @@ is staged, matched TP too: `DecodeConfig.staged_only`), each open room's decode 
 up once, at `expect_room`; every scatter of the room takes a view), scatters in flight per room, and the pairing of
 RoomFailed with FreePages so a failed room's outcome reaches the engine only when its pages are truly free.
 
-Invariants: a scatter runs on the copy thread, writes the token range its Scatter action names, and its ring region
-is freed (by the endpoint) only after its Completion; FenceScatter completes only once the room has no scatter in
-flight; a failed room is reported with its pages only after the endpoint released them (FreePages); a room's slots
-are kept from its acceptance to its outcome, no longer. Called by decode engines through `kvstage.runtime`.
+Where the KV is on a GPU and the backend moves GPU memory (cuda_ipc), the ring lives on that GPU
+(`DataTransport.staging_device`); otherwise in host memory.
+
+Event-fenced release: a scatter is queued on the copy thread's stream and its `CopyFence` (one CUDA event per chunk)
+comes back with the `CopyDone`. The chunk's Completion, which frees its ring space, is given only once that fence
+is done, found by polling it every turn of the agent thread (never a wait, never a whole-stream synchronize). A room
+counts its scatters until their fences are done, so FenceScatter (sent before a failed or aborted room's pages go
+back) completes only after its in-flight scatters have landed. On the CPU the fence is done at once.
+
+Invariants: a scatter writes the token range its Scatter action names, and its ring region is freed (by the
+endpoint) only after its fence is done; FenceScatter completes only once the room has no scatter queued or landing;
+a failed room is reported with its pages only after the endpoint released them (FreePages); a room's slots are kept
+from its acceptance to its outcome, no longer. Called by decode engines through `kvstage.runtime`.
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
 from typing import Any, assert_never, cast
 
-from kvstage.dataplane import EngineKV, KVStore, RequestSlots, scatter_region_slots
+from kvstage.dataplane import EngineKV, KVStore, RequestSlots, queue_scatter_region
 from kvstage.errors import ConfigError
 from kvstage.protocol import (
     Action,
@@ -60,7 +70,8 @@ class DecodeAgent(BaseAgent):
         self._endpoint_config = self._decode_config()  # validated here: a ConfigError refuses the construction
         self._failed: dict[int, str] = {}
         self._freed: dict[int, tuple[int, ...]] = {}
-        self._scatters: dict[int, int] = {}  # room -> scatters in flight on the copy thread
+        self._scatters: dict[int, int] = {}  # room -> scatters queued or landing (fence not done yet)
+        self._landing: deque[CopyDone] = deque()  # queued scatters whose fences are not done yet, in queue order
         self._fences: dict[int, list[int]] = {}  # room -> FenceScatter tokens waiting for those scatters
         self._slots: dict[int, RequestSlots] = {}  # open room -> its decode slots, looked up at expect_room
         self.ring_region: LocalRegion
@@ -145,32 +156,59 @@ class DecodeAgent(BaseAgent):
             self._outcome(RoomOutcome(room, False, self._failed.pop(room), self._freed.pop(room)))
 
     def _scatter(self, action: Scatter) -> None:
-        """Scatter on the copy thread; the room's in-flight count lets FenceScatter wait for it."""
+        """Queue the scatter on the copy thread; the room's in-flight count lets FenceScatter wait for it."""
         self._scatters[action.room] = self._scatters.get(action.room, 0) + 1
         ring = self.ring_region.tensor
 
         def job() -> int:
             slots = self._slots[action.room]  # stored when the room was accepted, dropped with its outcome
             chunk_slots = slots.range(action.token_start, action.token_end)
-            return scatter_region_slots(ring, action.region.offset, action.plan, self.pool, chunk_slots)
+            return queue_scatter_region(ring, action.region.offset, action.plan, self.pool, chunk_slots)
 
         self.copier.submit((action.token, action.room), job)
 
     def _copy_done(self, done: CopyDone) -> None:
+        """A scatter is queued (or failed to): it counts as in flight until its fence is done."""
+        self._landing.append(done)
+        self._land()
+
+    def _land(self) -> None:
+        """Finish every queued scatter whose fence is done (polled, never waited for)."""
+        still: deque[CopyDone] = deque()
+        for done in self._landing:
+            try:
+                landed = done.fence.done()
+            except RuntimeError as exc:  # the device failed the copy: the chunk fails, the room with it
+                self._landed(done, f"scatter failed on the device: {exc}")
+                continue
+            if landed:
+                self._landed(done, "" if done.ok else f"scatter failed: {done.reason}")
+            else:
+                still.append(done)
+        self._landing = still
+
+    def _landed(self, done: CopyDone, failure: str) -> None:
+        self._progressed()
         token, room = cast(tuple[int, int], done.key)
         left = self._scatters[room] - 1
         if left:
             self._scatters[room] = left
         else:
             del self._scatters[room]
-        if done.ok:
-            self.metrics.copy_done("scatter", done.seconds)
-        self._complete(token, done.ok, "" if done.ok else f"scatter failed: {done.reason}")
+        if not failure:
+            self.metrics.copy_done("scatter", time.perf_counter() - done.started)
+        self._complete(token, not failure, failure)
         if not left:
             for fence in self._fences.pop(room, []):
                 self._complete(fence, True)
 
+    def _busy(self) -> bool:
+        """Scatters landing: the loop polls their fences at the busy rate."""
+        return bool(self._landing)
+
     def _after_turn(self) -> None:
+        if self._landing:
+            self._land()
         ring = self.endpoint.ring
         live = ring.live()
         lag = 0
