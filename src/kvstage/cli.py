@@ -124,7 +124,7 @@ def sim(
 
 @app.command()
 def bench(
-    backend: str = typer.Option("local", "--backend", help="Data transport: local, mooncake or nixl."),
+    backend: str = typer.Option("local", "--backend", help="Data transport: local, mooncake, nixl or cuda_ipc."),
     model: str = typer.Option(
         "llama3-8b", "--model", help="llama3-8b, llama3-70b, qwen2.5-7b, tiny, or a shape like L32xH8xD128:bfloat16."
     ),
@@ -136,7 +136,7 @@ def bench(
     concurrency: int = typer.Option(1, "--concurrency", min=1, help="Requests in flight at once."),
     repeats: int = typer.Option(3, "--repeats", min=1, help="Timed rounds per path (best is reported)."),
     device: str = typer.Option(
-        "cpu", "--device", help="Where the KV pools live: cpu, or cuda (staging stays in host memory)."
+        "cpu", "--device", help="Where the KV pools live: cpu, or cuda (staging on the GPU with cuda_ipc, else host)."
     ),
     ring_chunks: int = typer.Option(
         4, "--ring-chunks", min=1, help="Chunk regions per decode ring (and chunks per prefill staging slab)."

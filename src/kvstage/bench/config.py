@@ -45,8 +45,9 @@ MODEL_PRESETS: dict[str, ModelShape] = {
 
 _SHAPE_RE = re.compile(r"L(?P<layers>\d+)xH(?P<heads>\d+)xD(?P<dim>\d+)(?::(?P<dtype>\w+))?")
 
-#: Where the ranks' KV pools live. With "cuda" the rings and staging stay in host memory (what the data transports
-#: move), so the staged path's gather/scatter cross between the GPU pool and host staging.
+#: Where the ranks' KV pools live. With "cuda" the rings and staging live where the backend's `staging_device` says:
+#: on each rank's GPU with cuda_ipc, else in host memory (what the other transports move), so the staged path's
+#: gather/scatter cross between the GPU pool and host staging.
 DEVICES = ("cpu", "cuda")
 #: Slack per region for the ring's alignment padding.
 ALIGN_SLACK = 64
@@ -143,6 +144,13 @@ class BenchConfig:
     def moved_bytes(self) -> int:
         """Bytes every path moves per request: what all decode ranks receive (replicated heads count per copy)."""
         return sum(self.decode_bytes(rank) for rank in range(self.decode_tp))
+
+    @property
+    def raw_writes_per_pair(self) -> int:
+        """Raw path: writes per (prefill rank, decode rank) pair. cuda_ipc: one, since a writer's copies run one
+        after another on its stream whatever the number in flight; otherwise `writes_per_peer`, the staged path's
+        window, so both keep as many writes in flight per pair (several NIXL UCX workers copy at once)."""
+        return 1 if self.backend == "cuda_ipc" else self.writes_per_peer
 
     def ring_bytes(self, decode_rank: int) -> int:
         """A decode rank's staging ring: `ring_chunks` regions of one full chunk."""

@@ -61,6 +61,11 @@ def print_table(result: BenchResult, console: Console) -> None:
             f"{c.moved_bytes / 2**20:,.1f}",
         )
     console.print(table)
+    if result.gpus == 1:
+        console.print(
+            f"every rank ({c.prefill_tp} prefill + {c.decode_tp} decode) shares one GPU: the staged path's gathers, "
+            "writes and scatters and the baselines' writes all move bytes through its one memory"
+        )
     s = result.summary()
     console.print(
         f"staged/raw = {s['staged_over_raw']:.2f}x (per round, median: {s['staged_over_raw_paired']:.2f}x)   "

@@ -82,6 +82,8 @@ class BenchResult:
     raw: PathResult
     slice_descriptors_per_request: int
     checks: tuple[str, ...]
+    #: GPUs the ranks' KV pools are spread over (0 for host pools); with one, every rank shares it
+    gpus: int = 0
 
     def staged_stages(self) -> dict[str, float]:
         """Wall seconds of the best staged round and, for each stage, the busiest rank's seconds in it."""
@@ -129,6 +131,7 @@ class BenchResult:
             "ring_chunks": c.ring_chunks,
             "writes_per_peer": c.writes_per_peer,
             "verified": list(self.checks),
+            "gpus": self.gpus,
             "staged_stages_s": self.staged_stages(),
         }
 
@@ -340,6 +343,7 @@ def run_bench(config: BenchConfig, step: Step | None = None) -> BenchResult:
     results = {
         p: PathResult(p, tuple(seconds[p]), nbytes, ops[p] / config.concurrency, tuple(stages[p])) for p in PATHS
     }
+    gpus = min(config.prefill_tp + config.decode_tp, torch.cuda.device_count()) if config.device == "cuda" else 0
     return BenchResult(
-        config, results["staged"], results["slice"], results["raw"], cluster.slice_descriptors(), tuple(checks)
+        config, results["staged"], results["slice"], results["raw"], cluster.slice_descriptors(), tuple(checks), gpus
     )

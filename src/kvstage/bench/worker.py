@@ -4,14 +4,14 @@ Owns, per rank: the KV pool (on the CPU, or on a GPU with `--device cuda`; every
 the whole run; each request slot uses a seeded random permutation of pages, so copies are scattered as in a real
 pool), the rank's runtime agent (the staged path), and what the two baselines need:
 
-- decode: `target`, a region laid out exactly like its KV pool, allocated from the agent's transport, which the
-  per-slice writes and the raw bulk writes land in (byte offsets from `PoolGeometry`, so a slice lands where it
-  would in a real pool);
-- prefill: a second transport of the same backend (the agent polls its own) with the KV pool (a host copy of a
-  GPU pool) registered as a source; per request slot, the per-slice descriptors of every head transfer it owns
-  (`plan_direct_slices`, one contiguous write per row where a slice is strided, because no backend writes
-  strided), and the raw bulk writes per (this rank, decode rank) pair: its bytes as `writes_per_peer` contiguous
-  writes in flight at once, as many as the staged path keeps in flight per pair.
+- decode: `target`, a region laid out exactly like its KV pool, allocated from the agent's transport (on the
+  rank's GPU where the backend moves GPU memory, cuda_ipc), which the per-slice writes and the raw bulk writes land
+  in (byte offsets from `PoolGeometry`, so a slice lands where it would in a real pool);
+- prefill: a second transport of the same backend (the agent polls its own) with the KV pool registered as a source
+  (a host copy of a GPU pool, unless the backend moves GPU memory); per request slot, the per-slice descriptors of
+  every head transfer it owns (`plan_direct_slices`, one contiguous write per row where a slice is strided, because
+  no backend writes strided), and the raw bulk writes per (this rank, decode rank) pair: its bytes as
+  `BenchConfig.raw_writes_per_pair` contiguous writes in flight at once.
 
 The parent (`kvstage.bench.runner`) drives it with commands over a private pipe; each reply carries the
 `time.monotonic()` stamps (CLOCK_MONOTONIC, shared by every process of the host) the parent turns into
@@ -223,7 +223,10 @@ class DecodeRank(_Rank):
         self.decode_agent = DecodeAgent(replace(self.agent_config(), ring_bytes=config.ring_bytes(rank)), self.pool)
         self.decode_agent.start()
         self.agent = self.decode_agent
-        self.target: LocalRegion = self.agent.transport.allocate(self.pool.geometry.nbytes)
+        transport = self.agent.transport
+        self.target: LocalRegion = transport.allocate(
+            self.pool.geometry.nbytes, device=transport.staging_device(self.pool.device)
+        )
 
     def info(self) -> dict[str, Any]:
         return {"pages": self.pages, "target": encode_descriptor(self.agent.transport.export(self.target))}
@@ -247,7 +250,7 @@ class DecodeRank(_Rank):
         for pages in self.pages:
             slots = self.pool.slot_indices(pages, 0, self.config.tokens)
             landed = byte_view(self.pool).index_select(2, slots).cpu()
-            same = same and torch.equal(landed, target.index_select(2, slots.cpu()))
+            same = same and torch.equal(landed, target.index_select(2, slots.to(target.device)).cpu())
         return {
             "staged_equals_slice": same,
             "heads": [head_digests(self.config, self.pool, self.heads, pages) for pages in self.pages],
@@ -266,9 +269,10 @@ class PrefillRank(_Rank):
         super().__init__(config, rank, bootstrap)
         self.baseline: DataTransport = create_transport(TransportConfig(backend=config.backend))
         self.digests = [self._fill(slot) for slot in range(config.concurrency)]
-        # the baselines move host memory: the pool itself, or a host copy of a GPU pool (same bytes, same offsets)
-        self.host_pool = self.pool.flat.cpu()
-        self.source = self.baseline.register(self.host_pool)
+        # the baselines' source: the pool itself (host, or GPU where the backend moves GPU memory), or a host copy
+        # of a GPU pool (same bytes, same offsets)
+        in_place = self.baseline.staging_device(self.pool.device) == self.pool.device
+        self.source = self.baseline.register(self.pool.flat if in_place else self.pool.flat.cpu())
         self.transfers = [
             t
             for t in plan_head_transfers(config.layout.num_kv_heads, config.prefill_tp, config.decode_tp)
@@ -314,8 +318,7 @@ class PrefillRank(_Rank):
 
     def _raw(self, slot: int) -> list[tuple[int, RemoteRegion, Slice]]:
         """(decode rank, remote, write) of the bulk writes to each decode rank this rank feeds: its block's bytes,
-        to where its block would go, as `writes_per_peer` contiguous parts in flight at once (the staged path's
-        window, so both paths keep as many writes in flight per pair)."""
+        to where its block would go, as `raw_writes_per_pair` contiguous parts in flight at once."""
         out = []
         for t in self.transfers:
             plan = plan_staging(self.config.layout, self.config.prefill_tp, self.config.decode_tp, t.decode_rank,
@@ -324,7 +327,7 @@ class PrefillRank(_Rank):
             src = min(slot * block.nbytes, self.pool.geometry.nbytes - block.nbytes)
             dst = slot * plan.total_bytes + block.offset
             out += [(t.decode_rank, self.remotes[t.decode_rank], (src + start, dst + start, n))
-                    for start, n in split_evenly(block.nbytes, self.config.writes_per_peer)]  # fmt: skip
+                    for start, n in split_evenly(block.nbytes, self.config.raw_writes_per_pair)]  # fmt: skip
         return out
 
     # ---- commands ------------------------------------------------------------------------------------------
@@ -369,7 +372,7 @@ class PrefillRank(_Rank):
             "digests": self.digests,
             "slice_descriptors": [sum(n for _, _, n in per_slot) for per_slot in self.slices],
             "raw": [
-                [(decode_rank, w[1], w[2], sha(self.host_pool[w[0] : w[0] + w[2]])) for decode_rank, _, w in
+                [(decode_rank, w[1], w[2], sha(self.source.tensor[w[0] : w[0] + w[2]])) for decode_rank, _, w in
                  self.raw[slot]]
                 for slot in range(self.config.concurrency)
             ],

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# One call on a lent GPU machine (docs/gpu.md): every `gpu` test, the gather/scatter benchmark in device time and
+# per call, and `kvstage bench --backend cuda_ipc --device cuda`; each step's log goes to $OUT (default ./out).
+# Missing wheels (msgspec, pyzmq) are installed from .whl/ when it exists. Each step has its own time limit, so a
+# stuck step costs only its own share of the call. Usage: bash benchmarks/gpu_session.sh [STEP ...]
+# (steps: tests gs_device gs_call bench; default all).
+set -u -o pipefail
+OUT=${OUT:-out}
+mkdir -p "$OUT"
+if [ -d .whl ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        || exit 1
+    export PYTHONPATH="$PWD/src:/tmp/site"
+else
+    export PYTHONPATH="$PWD/src"
+fi
+export PYTHONUNBUFFERED=1
+{ date -u; nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv;
+  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; nproc;
+  git log --oneline -1 2>/dev/null; } > "$OUT/machine.txt" 2>&1
+
+step() {  # step NAME SECONDS COMMAND...
+    local name=$1 limit=$2
+    shift 2
+    echo "== $name ($(date -u +%T))"
+    timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+    echo "rc=$? $name"
+    tail -n 12 "$OUT/$name.log"
+}
+
+want() { [ $# -eq 0 ] || [[ " $* " == *" $STEP "* ]]; }
+GS="python3 benchmarks/gather_scatter.py --tokens 4096 16384"
+for STEP in tests gs_device gs_call bench; do
+    want "$@" || continue
+    case $STEP in
+    tests) step tests 270 python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts="" --timeout 120 \
+        tests/transport/test_cuda_ipc.py tests/runtime/test_gpu_agents.py tests/dataplane/test_kernels_gpu.py \
+        tests/dataplane/test_dataplane_roundtrip.py tests/runtime/test_agents.py ;;
+    gs_device) step gs_device 100 $GS --runs 7 --repeats 10 --batch 10 ;;
+    gs_call) step gs_call 70 $GS --runs 7 --repeats 20 ;;
+    bench) step bench 170 python3 -m kvstage bench --backend cuda_ipc --device cuda --model llama3-8b \
+        --prefill-tp 4 --decode-tp 2 --tokens 4096 --page-size 16 --repeats 5 --json ;;
+    esac
+done
