@@ -12,7 +12,7 @@ import torch
 from agent_outcomes import wait_outcomes
 
 from kvstage.dataplane import KVPool
-from kvstage.errors import CompatibilityError
+from kvstage.errors import CompatibilityError, TransportError
 from kvstage.layout import KVLayout, heads_of_rank
 from kvstage.protocol import Timing
 from kvstage.runtime import AgentConfig, DecodeAgent, PrefillAgent, RoomOutcome, peer_id
@@ -383,6 +383,19 @@ def test_garbage_on_an_agents_control_socket_is_counted_and_rooms_still_succeed(
     assert decode.metrics.value("kvstage_rejected_frames_total", reason="undecodable") == 2
 
 
+def _bind_again(address: str, within_s: float = 10.0) -> BootstrapServer:
+    """A bootstrap service on the address another one just closed: ZeroMQ releases a closed socket's port on its
+    I/O thread, shortly after close() returns, so the first tries can find it still taken."""
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            return BootstrapServer(address).start()
+        except TransportError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
 def test_restarted_bootstrap_service_is_repopulated_by_the_running_agents():
     import socket
 
@@ -400,7 +413,7 @@ def test_restarted_bootstrap_service_is_repopulated_by_the_running_agents():
     agent = PrefillAgent(config, pool).start()
     try:
         first.close()  # the service dies and comes back empty on the same address
-        second = BootstrapServer(address).start()
+        second = _bind_again(address)
         try:
             client = BootstrapClient(address)
             deadline = time.monotonic() + 10
