@@ -16,8 +16,9 @@ transfer or scatter that fails is answered with ok=False, never dropped).
 | FenceScatter  | decode  | wait until no scatter of `room` is in flight (per room, not a device sync);      |
 |               |         | Completion. Only then are the room's ring space and KV pages released (R1)       |
 | FreePages     | decode  | return the failed room's decode KV `pages` to the pool (never on success)        |
-| FencePeer     | both    | make sure nothing from `peer`'s incarnation (session, epoch) lands any more:     |
-|               |         | drop its late writes and frames (decode: before its quarantined space is reused) |
+| FencePeer     | both    | `peer`'s incarnation (session, epoch) is dead here: drop its frames, release     |
+|               |         | what the runtime holds for it. Its posted writes may still land: decode keeps   |
+|               |         | their space quarantined until R13 (writer leases) says they cannot              |
 | RoomSucceeded | both    | decode: the room's pages hold its KV, generate. prefill: the pages are no longer |
 |               |         | read, the engine may free them                                                   |
 | RoomFailed    | both    | the room failed for `reason` (reasons.py). decode: pages come back by FreePages; |
@@ -58,8 +59,8 @@ class WriteRegion:
     token_start: int
     block: WriterBlock
     region: Allocation
-    writer_session: int  # this writer's incarnation towards `peer`: FencePeer(peer, s, e) drops the write
-    writer_epoch: int  # when (writer_session, writer_epoch) <= (s, e)
+    writer_session: int  # this writer's incarnation towards `peer` (for tracing: a fence cannot recall a posted
+    writer_epoch: int  # write; R13 bounds when it can land)
     dst_session: int  # the decode session that granted the region: a restarted decode's new ring must not
     # receive it (real transports fail it: the old registration is gone)
 
