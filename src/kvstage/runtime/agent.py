@@ -185,6 +185,7 @@ class BaseAgent(ABC):
                 max_peers=self.config.limits.max_peers,
                 unresolved_ttl_s=self.config.park.ttl_s,
                 secret=self.config.secret,
+                timeout_s=self.config.bootstrap_timeout_s,
                 name=f"{self.peer_id}-resolver",
             ).start()
             record = self.config.record(self.role, self.channel.address, self.session, descriptors)
@@ -330,8 +331,9 @@ class BaseAgent(ABC):
 
     # ---- agent thread ------------------------------------------------------------------------------------
 
-    def _bootstrap_client(self, timeout_s: float = 5.0) -> BootstrapClient:
-        return BootstrapClient(self.config.bootstrap, timeout_s=timeout_s, secret=self.config.secret)
+    def _bootstrap_client(self, timeout_s: float | None = None) -> BootstrapClient:
+        timeout = self.config.bootstrap_timeout_s if timeout_s is None else timeout_s
+        return BootstrapClient(self.config.bootstrap, timeout_s=timeout, secret=self.config.secret)
 
     def _admit(self, nbytes: int) -> bool:
         """Control I/O thread: room in the inbox for one more decoded frame of `nbytes`? (If so it is reserved, and

@@ -56,8 +56,13 @@ class AgentConfig:
     #: that never registers.
     park: ParkLimits = field(default_factory=ParkLimits)
     resolve_refresh_s: float = 1.0
+    #: How long one bootstrap request (lookup or registration) may take before it is retried. On a starved host a
+    #: short timeout makes every lookup fail in a loop while sends to unresolved peers wait.
+    bootstrap_timeout_s: float = 5.0
 
     def __post_init__(self) -> None:
+        if not self.bootstrap_timeout_s > 0:
+            raise ConfigError(f"bootstrap_timeout_s must be positive, got {self.bootstrap_timeout_s!r}")
         bound = self.transport.max_write_s
         if bound is not None and bound > self.timing.max_write_s:
             raise ConfigError(

@@ -40,10 +40,12 @@ class Resolver:
         max_peers: int = 1024,
         unresolved_ttl_s: float = 30.0,
         secret: bytes | None = None,
+        timeout_s: float = 5.0,
         name: str = "resolver",
     ) -> None:
         self._bootstrap = bootstrap
         self._secret = secret
+        self._timeout_s = timeout_s
         self._post = post
         self._refresh_s = refresh_s
         self._max_peers = max_peers
@@ -98,7 +100,7 @@ class Resolver:
         self._thread.join(5)
 
     def _run(self) -> None:
-        client = BootstrapClient(self._bootstrap, timeout_s=2.0, secret=self._secret)
+        client = BootstrapClient(self._bootstrap, timeout_s=self._timeout_s, secret=self._secret)
         try:
             while not self._stop.is_set():
                 self._wake.wait(self._refresh_s)
