@@ -93,6 +93,25 @@ def start_room(agent: PrefillAgent, room: int, num_tokens: int = ROOM_TOKENS) ->
     return pages
 
 
+def expect_room(decode: DecodeAgent, room: int, instance: str, num_tokens: int = ROOM_TOKENS) -> tuple[int, ...]:
+    """Admit `room` of prefill instance `instance` (both ranks) on `decode`, in pages it allocates (returned)."""
+    pages = tuple(decode.pool.allocator.allocate(-(-num_tokens // LAYOUT.page_size), room))
+    peers = tuple(peer_id(instance, r) for r in range(PREFILL_TP))
+    decode.expect_room(room, peers, num_tokens, 0, pages, timeout_s=20)
+    return pages
+
+
+def peer_tables(agent: DecodeAgent | PrefillAgent) -> dict[str, int]:
+    """Entries of every per-peer table of `agent`, now (its `kvstage_peer_state` metric lags by up to a sweep)."""
+    return {
+        "records": len(agent._records),
+        "sockets": agent.channel.open_peers,
+        "resolver": agent.resolver.wanted(),
+        "parked": len(agent._parked),
+        "endpoint": len(agent.endpoint.peers()),
+    }
+
+
 class Deployment:
     """A bootstrap service and one decode rank (instance "D"), in this process."""
 
@@ -103,10 +122,7 @@ class Deployment:
         self.decode = DecodeAgent(config("D", 0, 1, self.bootstrap.address, caps, secret), pool).start()
 
     def expect(self, room: int, instance: str, num_tokens: int = ROOM_TOKENS) -> tuple[int, ...]:
-        pages = tuple(self.decode.pool.allocator.allocate(-(-num_tokens // LAYOUT.page_size), room))
-        peers = tuple(peer_id(instance, r) for r in range(PREFILL_TP))
-        self.decode.expect_room(room, peers, num_tokens, 0, pages, timeout_s=20)
-        return pages
+        return expect_room(self.decode, room, instance, num_tokens)
 
     def run_room(self, room: int, instance: str, prefill: list[PrefillAgent]) -> list[RoomOutcome]:
         """Hand `room` from `prefill` (instance `instance`) to decode; the outcomes on decode and on each rank."""
@@ -121,14 +137,7 @@ class Deployment:
 
     def tables(self) -> dict[str, int]:
         """Entries of every per-peer table of the decode agent."""
-        agent = self.decode
-        return {
-            "records": len(agent._records),
-            "sockets": agent.channel.open_peers,
-            "resolver": agent.resolver.wanted(),
-            "parked": len(agent._parked),
-            "endpoint": len(agent.endpoint.peers()),
-        }
+        return peer_tables(self.decode)
 
     def close(self) -> None:
         self.decode.close()
