@@ -14,9 +14,22 @@ A phase with `hold_after_first_chunk` computes only each room's first chunk, lea
 `release` too, its first rooms also schedule their second chunk (so its grant is requested and held), and it
 computes the rest of each of them when the `release` file appears (after the test killed decode, the write of the
 held grant goes to a dead peer).
+A phase with `cut` (a marker path) and a `release` makes this rank a writer cut off from decode: on the release it
+first stalls its data transport (its transfer threads stop after their next completion, as in a long pause or a
+congested link), then computes the held rooms, and once a write of them waits in the transport it drops every
+control frame to and from its peers from then on (the data path stays up) and creates the `cut` file. It lets the
+data path go on when the `unstall` file appears (its rooms cannot end before: their writes are in flight); its
+report lists every transfer completion seen after the cut.
+
+A decode rank's phase may take its rooms from another prefill instance (`peer_instance`, `peer_tp`); its reports
+carry a digest of every 4 KiB block of its staging ring (`ring_blocks`), so a test can tell whether any byte of the
+ring changed between two reports.
+
 After its last phase a worker waits for quiescence, writes its result JSON, and then stays alive (its peers may
 still need its acknowledgements) until its stdin is closed. On SIGUSR1 it writes the Python stack of every thread
-to its log (the test asks for that when something stalls).
+to its log (the test asks for that when something stalls). A worker dies with the process that started it
+(PR_SET_PDEATHSIG on Linux; elsewhere it exits when its stdin closes, after its phases), so a killed test run
+leaves no worker behind.
 """
 
 from __future__ import annotations
@@ -29,6 +42,7 @@ import os
 import random
 import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,7 +53,8 @@ from kvstage.dataplane import KVPool
 from kvstage.layout import KVLayout, heads_of_rank
 from kvstage.protocol import Timing
 from kvstage.runtime import AgentConfig, DecodeAgent, PrefillAgent, RoomOutcome, peer_id
-from kvstage.transport.data import TransportConfig
+from kvstage.transport.data import Completion, DataTransport, TransportConfig
+from kvstage.transport.data.loopback import die_with_parent
 
 
 @dataclass(frozen=True)
@@ -84,6 +99,59 @@ def head_digests(pool: KVPool, heads: range, pages: list[int], start: int, end: 
     }
 
 
+#: Block size of the ring digests in a decode rank's report.
+RING_BLOCK = 4096
+
+
+class ControlCut:
+    """The test-side fault of a writer cut off from decode, on a running agent: `stall` holds the transport's
+    transfer threads after their next completion (writes submitted meanwhile wait in the backend's queue),
+    `cut` drops every control frame in and out from then on, `unstall` lets the transfer threads go on.
+    Completions polled after the cut are recorded with their wall time."""
+
+    def __init__(self, agent: PrefillAgent | DecodeAgent, backend: str) -> None:
+        self.agent = agent
+        self._transfer_threads = f"kvstage-{backend}-"
+        self._go = threading.Event()
+        self._go.set()
+        self._held = threading.Event()
+        self.completions: list[dict] = []
+        self.is_cut = False
+        transport: DataTransport = agent.transport
+        wake, poll = transport._wake, transport.poll
+        transport.on_completion(lambda: self._after_completion(wake))
+        transport.poll = lambda: self._record(poll())  # type: ignore[method-assign]
+        channel = agent.channel
+        send, deliver = channel.send, channel._deliver
+        channel.send = lambda peer, message: None if self.is_cut else send(peer, message)  # type: ignore[method-assign]
+        channel._deliver = lambda message: None if self.is_cut else deliver(message)
+
+    def _after_completion(self, wake: object) -> None:
+        if callable(wake):
+            wake()
+        if threading.current_thread().name.startswith(self._transfer_threads) and not self._go.is_set():
+            self._held.set()
+            self._go.wait()
+
+    def _record(self, completions: list[Completion]) -> list[Completion]:
+        if self.is_cut:
+            self.completions += [{"ok": c.ok, "reason": c.reason, "t": time.time()} for c in completions]
+        return completions
+
+    def stall(self) -> None:
+        self._go.clear()
+
+    def write_waits(self) -> bool:
+        """A transfer thread is held and a write waits behind it in the transport."""
+        return self._held.is_set() and self.agent.transport.in_flight > 0
+
+    def cut(self) -> None:
+        self.is_cut = True
+
+    def unstall(self) -> None:
+        self._go.set()
+
+
 #: Rooms of a `release` phase that hold a grant for their second chunk (more would fill the small test ring with
 #: grants nobody writes until the release, and the other rooms' first chunks could never be granted).
 RELEASED_ROOMS = 2
@@ -115,8 +183,14 @@ class Worker:
         )
         agent_cls = DecodeAgent if self.role == "decode" else PrefillAgent
         self.agent = agent_cls(config, self.pool)
+        self.control_cut: ControlCut | None = None
         self.results: dict[str, dict] = {}
         self.digests: dict[str, dict[str, str]] = {}
+
+    def peer_ids(self, phase: dict) -> tuple[str, ...]:
+        """The prefill peers of a decode phase's rooms: the phase's own `peer_instance`, else the spec's."""
+        instance = phase.get("peer_instance", self.spec["peer_instance"])
+        return tuple(peer_id(instance, r) for r in range(phase.get("peer_tp", self.spec["peer_tp"])))
 
     def plans(self, phase: dict) -> list[RoomPlan]:
         s = self.spec
@@ -127,13 +201,14 @@ class Worker:
 
     def run(self) -> None:
         self.agent.start()
+        if any(phase.get("cut") for phase in self.spec["phases"]):
+            self.control_cut = ControlCut(self.agent, self.spec["backend"])
         try:
             if self.role == "decode":  # like an engine at start-up: admit rooms once every prefill rank is up
                 self.agent.connect(self.spec["peer_instance"], self.spec["peer_tp"], timeout_s=120)
             for phase in self.spec["phases"]:
                 if phase.get("wait_for"):
-                    while not Path(phase["wait_for"]).exists():
-                        time.sleep(0.02)
+                    wait_for_file(phase["wait_for"])
                 self.run_phase(phase)
                 if phase.get("report"):
                     self.report(phase["report"])
@@ -155,7 +230,7 @@ class Worker:
             while todo and len(open_rooms) < self.spec["concurrency"]:
                 plan = todo.pop()
                 pages = self.pool.allocator.allocate(-(-plan.num_tokens // self.layout.page_size), plan.room)
-                self.submit(plan, pages, hold, release=bool(phase.get("release")))
+                self.submit(plan, pages, hold, phase, release=bool(phase.get("release")))
                 open_rooms[plan.room] = (plan, pages, time.monotonic())
                 if plan.abort_side == self.role:
                     aborts.append((time.monotonic() + plan.abort_after_s, plan.room))
@@ -167,16 +242,22 @@ class Worker:
             if hold and not todo and phase.get("marker") and self.first_chunks_landed(phase):
                 Path(phase["marker"]).touch()  # the rooms are mid-transfer
             if self.held and Path(phase.get("release", "")).is_file():
+                if self.control_cut is not None:
+                    self.control_cut.stall()
                 self.release_held(open_rooms)
+            if phase.get("cut"):
+                self.cut_once_a_write_waits(phase["cut"])
+                if Path(phase["unstall"]).is_file():  # its rooms end only once their writes have
+                    self.control_cut.unstall()
             for outcome in self.agent.poll():
                 plan, pages, _ = open_rooms.pop(outcome.room)
                 self.finish(plan, pages, outcome)
             time.sleep(0.005)
 
-    def submit(self, plan: RoomPlan, pages: list[int], hold: bool, release: bool = False) -> None:
+    def submit(self, plan: RoomPlan, pages: list[int], hold: bool, phase: dict, release: bool = False) -> None:
         timeout = self.spec["room_timeout_s"]
         if self.role == "decode":
-            peers = tuple(peer_id(self.spec["peer_instance"], r) for r in range(self.spec["peer_tp"]))
+            peers = self.peer_ids(phase)
             self.agent.expect_room(plan.room, peers, plan.num_tokens, plan.prefix_tokens, tuple(pages), timeout)
             return
         kv = room_kv(self.spec["seed"], plan, self.layout)[:, :, :, self.heads.start : self.heads.stop]
@@ -198,6 +279,13 @@ class Worker:
         for end in ends:
             self.agent.compute_scheduled(plan.room, end)
             self.agent.kv_ready(plan.room, end, tuple(pages))
+
+    def cut_once_a_write_waits(self, marker: str) -> None:
+        """Cut the control traffic (once) as soon as a write of the released rooms waits in the stalled transport."""
+        cut = self.control_cut
+        if cut is not None and not cut.is_cut and cut.write_waits():
+            cut.cut()
+            Path(marker).touch()
 
     def first_chunks_landed(self, phase: dict) -> bool:
         """True once a write of this rank completed (decode is up and granting), and half a second later (so the
@@ -230,6 +318,9 @@ class Worker:
     def report(self, path: str) -> None:
         quiescent = self.agent.wait_quiescent(self.spec["quiesce_timeout_s"])
         snap = self.agent.snapshot()
+        if self.role == "decode":
+            ring = self.agent.ring_region.tensor
+            blocks = [digest_bytes(ring[i : i + RING_BLOCK]) for i in range(0, ring.numel(), RING_BLOCK)]
         out = {
             "role": self.role,
             "rank": self.rank,
@@ -241,13 +332,25 @@ class Worker:
             "pages_in_use": self.pool.allocator.in_use,
             "stats": snap.stats,
             "rejected_frames": self.agent.channel.rejected.total(),
+            "ring_blocks": blocks if self.role == "decode" else [],
+            "completions_after_cut": [] if self.control_cut is None else self.control_cut.completions,
         }
         tmp = Path(path + ".tmp")
         tmp.write_text(json.dumps(out))
         tmp.rename(path)
 
 
+def digest_bytes(tensor: torch.Tensor) -> str:
+    return hashlib.sha256(tensor.contiguous().numpy().tobytes()).hexdigest()
+
+
+def wait_for_file(path: str) -> None:
+    while not Path(path).exists():
+        time.sleep(0.02)
+
+
 def main() -> None:
+    die_with_parent(int(os.environ.get("KVSTAGE_TEST_PARENT", os.getppid())))
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s {sys.argv[1]} %(name)s %(message)s")
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test asks for every thread's stack on a stall
     torch.set_num_threads(1)

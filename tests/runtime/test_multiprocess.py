@@ -72,11 +72,13 @@ class Cluster:
         }
         self.base.update(overrides)
 
-    def spawn(self, name: str, role: str, tp: int, rank: int, peer_tp: int, phases: list[dict]) -> None:
+    def spawn(
+        self, name: str, role: str, tp: int, rank: int, peer_tp: int, phases: list[dict], instance: str = ""
+    ) -> None:
         spec = dict(self.base)
         spec.update(
             role=role,
-            instance="P" if role == "prefill" else "D",
+            instance=instance or ("P" if role == "prefill" else "D"),
             peer_instance="D" if role == "prefill" else "P",
             tp=tp,
             rank=rank,
@@ -85,7 +87,7 @@ class Cluster:
         )
         path = self.tmp / f"{name}.json"
         path.write_text(json.dumps(spec))
-        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", KVSTAGE_TEST_PARENT=str(os.getpid()))
         log = (self.tmp / f"{name}.log").open("w")
         self.procs[name] = subprocess.Popen(
             [sys.executable, str(WORKER), str(path)], stdin=subprocess.PIPE, stdout=log, stderr=log, text=True, env=env

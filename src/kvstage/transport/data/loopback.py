@@ -7,14 +7,20 @@ times writes from submission to last completion; and `measure_raw_bulk`, which t
 same bytes written as many small slices, between two processes.
 
 Invariants: the child talks to the parent only over its private multiprocessing pipe (trusted, same user); a
-child that fails to start reports the error instead of leaving the parent waiting; every wait has a timeout.
-Called by tests/transport/test_data_*.py, benchmarks/raw_bulk.py and `kvstage bench` (its raw path).
+child that fails to start reports the error instead of leaving the parent waiting; every wait has a timeout; a
+child dies with its parent (`die_with_parent`, also used by the multi-process tests' workers), so a killed run
+leaves no process behind. Called by tests/transport/test_data_*.py, benchmarks/raw_bulk.py and `kvstage bench`
+(its raw path).
 """
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import multiprocessing as mp
+import os
+import signal
+import sys
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
@@ -43,8 +49,25 @@ def digest(tensor: torch.Tensor) -> str:
     return hashlib.sha256(tensor.contiguous().numpy().tobytes()).hexdigest()
 
 
-def _reader_main(conn: Connection, config: TransportConfig, nbytes: int) -> None:
+#: prctl(2) option: the signal the kernel sends this process when its parent exits.
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(parent: int) -> None:
+    """Have the kernel SIGKILL this process when its parent (`parent`, its pid as the parent saw it) exits; if the
+    parent is already gone, exit now. Linux only; elsewhere a no-op (the pipe to the parent still ends the child
+    once the parent is gone and the child next reads it)."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if os.getppid() != parent:
+        os._exit(1)  # the parent died before we asked to follow it
+
+
+def _reader_main(conn: Connection, config: TransportConfig, nbytes: int, parent: int) -> None:
     """Child process body: own a transport and one region, answer commands until told to exit."""
+    die_with_parent(parent)
     try:
         transport = create_transport(config)
         region = transport.allocate(nbytes)
@@ -75,7 +98,7 @@ class ReaderPeer:
     def __init__(self, config: TransportConfig, nbytes: int, start_timeout_s: float = 60.0) -> None:
         ctx = mp.get_context("spawn")
         self._conn, child_conn = ctx.Pipe()
-        self.process = ctx.Process(target=_reader_main, args=(child_conn, config, nbytes), daemon=True)
+        self.process = ctx.Process(target=_reader_main, args=(child_conn, config, nbytes, os.getpid()), daemon=True)
         self.process.start()
         child_conn.close()
         status, payload = self._recv(start_timeout_s)
