@@ -71,6 +71,7 @@ import msgspec
 import torch
 
 from kvstage.errors import ConfigError, ProtocolError, TransportError
+from kvstage.protocol.reasons import LEASE_EXPIRED  # the room's failure reason too
 
 MAX_DESCRIPTOR_PAYLOAD = 1 << 20
 """Upper bound, in bytes, of a descriptor's backend payload accepted from the wire (NIXL metadata is the largest)."""
@@ -79,9 +80,6 @@ MAX_NAME_LEN = 256
 """Upper bound of an agent name accepted from the wire."""
 
 BACKENDS = ("local", "mooncake", "nixl", "cuda_ipc")
-
-LEASE_EXPIRED = "lease expired"
-"""Reason of a write refused because its `not_after` had passed before its first byte would move."""
 
 WRITE_CUT = "write cut: half of max_write_s had passed since it started, the rest was not sent"
 """Reason of a bounded write stopped between two pieces (the pieces before it may have landed)."""
