@@ -26,7 +26,7 @@ REGION = 2 * PIECE_BYTES + 4096  # three pieces when bounded
 @pytest.fixture(autouse=True)
 def ucx_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     """A NIXL transport with `max_write_s` sets UCX's timeouts in this process's environment: undo it after."""
-    for name in _ucx_timeouts(1.0):
+    for name in _ucx_timeouts(1.0, infiniband=True):
         monkeypatch.delenv(name, raising=False)
 
 
@@ -155,9 +155,10 @@ def test_bounded_pieces_cover_the_slices_in_order_and_none_is_larger_than_a_piec
 
 
 def test_nixl_sets_ucx_timeouts_that_fail_an_unacknowledged_request_within_half_of_max_write_s() -> None:
-    settings = _ucx_timeouts(0.8)
+    settings = _ucx_timeouts(0.8, infiniband=True)
     rc_timeout_s = int(settings["UCX_RC_TIMEOUT"].removesuffix("us")) / 1e6
 
     assert settings["UCX_TCP_USER_TIMEOUT"] == "400ms"  # the other half of max_write_s is when pieces are posted
     assert settings["UCX_RC_RETRY_COUNT"] == str(_RC_RETRIES)
     assert 2 * rc_timeout_s * (_RC_RETRIES + 1) <= 0.4  # InfiniBand may round the timeout up to twice the value
+    assert set(_ucx_timeouts(0.8, infiniband=False)) == {"UCX_TCP_USER_TIMEOUT"}, "no RC settings UCX would not use"

@@ -41,8 +41,9 @@ Bounded writes. A write is posted only if its `not_after` has not passed when it
 (`LEASE_EXPIRED` otherwise). With `TransportConfig.max_write_s`, it is posted in pieces of at most `PIECE_BYTES`, one
 after the other, and no piece is posted once half of `max_write_s` has passed since the first; and the first NIXL
 transport of a process sets UCX's own bounds on a posted request from the other half, unless the user set them:
-`UCX_TCP_USER_TIMEOUT` (unacknowledged data closes the connection) and `UCX_RC_TIMEOUT` / `UCX_RC_RETRY_COUNT` (an
-RC or DC queue pair that gets no acknowledgement fails), see `_ucx_timeouts`. Releasing a NIXL request does not
+`UCX_TCP_USER_TIMEOUT` (unacknowledged data closes the connection) and, unless UCX's InfiniBand modules are off
+(`UCX_MODULES=^ib`, where UCX would warn that they are unused), `UCX_RC_TIMEOUT` / `UCX_RC_RETRY_COUNT` (an RC or
+DC queue pair that gets no acknowledgement fails), see `_ucx_timeouts`. Releasing a NIXL request does not
 stop it (UCX's `ucp_request_cancel` cancels tag receives only), so those UCX timeouts are what bounds a posted
 write (docs/transports.md).
 
@@ -170,18 +171,17 @@ def load_nixl() -> _Nixl:
     )
 
 
-def _ucx_timeouts(max_write_s: float) -> dict[str, str]:
+def _ucx_timeouts(max_write_s: float, infiniband: bool) -> dict[str, str]:
     """UCX settings that make a posted request that gets no acknowledgement fail within half of `max_write_s` (the
-    other half is when pieces may be posted): TCP closes a connection whose data stays unacknowledged that long; an
-    RC/DC queue pair fails after (retries + 1) transport timeouts, and InfiniBand rounds the timeout up to 4.096 us
-    times a power of two (up to twice the value), so each gets (max_write_s / 2) / (2 * (retries + 1))."""
+    other half is when pieces may be posted): TCP closes a connection whose data stays unacknowledged that long; with
+    `infiniband`, an RC/DC queue pair fails after (retries + 1) transport timeouts, and InfiniBand rounds the timeout
+    up to 4.096 us times a power of two (up to twice the value), so each gets (max_write_s / 2) / (2 * (retries+1))."""
     budget_s = max_write_s / 2
-    rc_timeout_us = max(1, int(budget_s / (2 * (_RC_RETRIES + 1)) * 1e6))
-    return {
-        "UCX_TCP_USER_TIMEOUT": f"{max(1, int(budget_s * 1000))}ms",
-        "UCX_RC_TIMEOUT": f"{rc_timeout_us}us",
-        "UCX_RC_RETRY_COUNT": str(_RC_RETRIES),
-    }
+    settings = {"UCX_TCP_USER_TIMEOUT": f"{max(1, int(budget_s * 1000))}ms"}
+    if infiniband:
+        rc_timeout_us = max(1, int(budget_s / (2 * (_RC_RETRIES + 1)) * 1e6))
+        settings |= {"UCX_RC_TIMEOUT": f"{rc_timeout_us}us", "UCX_RC_RETRY_COUNT": str(_RC_RETRIES)}
+    return settings
 
 
 def _backend_params(config: TransportConfig) -> dict[str, str]:
@@ -234,7 +234,8 @@ class NixlTransport(DataTransport):
         if not config.nixl_rdma and "UCX_MODULES" not in os.environ:
             os.environ["UCX_MODULES"] = "^ib"
         if config.max_write_s is not None:
-            for name, value in _ucx_timeouts(config.max_write_s).items():
+            infiniband = os.environ.get("UCX_MODULES") != "^ib"
+            for name, value in _ucx_timeouts(config.max_write_s, infiniband).items():
                 os.environ.setdefault(name, value)  # read by UCX when the agent's backend starts, below
         self._errors: tuple[type[Exception], ...] = (*nixl.errors, RuntimeError)  # RuntimeError: other C++ errors
         self._disconnected = nixl.disconnected
