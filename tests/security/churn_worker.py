@@ -6,9 +6,9 @@ own, so that the RSS, file descriptors and threads it reports are the agent's al
 - `expect ROOM INSTANCE`: admit a room of that prefill instance's two ranks; prints "ok";
 - `outcome ROOM`: wait for the room's outcome and return its pages; prints `[ok, reason]` as JSON;
 - `state`: the agent's per-peer tables (and its endpoint's fence records, capped at `Limits.max_peers`), RSS,
-  open file descriptors (all, and sockets), threads, as JSON. With KVSTAGE_CHURN_TRACEMALLOC=1 it adds, against
-  the first `state`: the bytes Python allocated since, by allocating frames, and the objects added, by type (a
-  diagnosis of RSS growth; tracing slows the agent down).
+  open file descriptors (all, and sockets), threads, as JSON. With KVSTAGE_CHURN_TRACEMALLOC=1, `state growth`
+  adds, against the first `state growth`: the bytes Python allocated since, by allocating frames, and the objects
+  added, by type (a diagnosis of RSS growth; tracing slows the agent down and adds to its RSS).
 
 `python churn_worker.py prefill BOOTSTRAP` hosts successive prefill instances (TP=2, both ranks in this process),
 one at a time: `start INSTANCE` (prints "up" once both ranks are registered), `room ROOM` (serves it; prints
@@ -84,7 +84,7 @@ class _Process:
         if self.tracing:
             tracemalloc.start(8)
 
-    def state(self) -> dict[str, Any]:
+    def state(self, growth: bool) -> dict[str, Any]:
         status = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines())
         fds = _open_files()
         state: dict[str, Any] = {
@@ -94,7 +94,7 @@ class _Process:
             "threads": int(status["Threads"]),
             "python_threads": threading.active_count(),
         }
-        if self.tracing:
+        if growth and self.tracing:
             state.update(self._growth())
         return state
 
@@ -146,7 +146,7 @@ def serve_decode(bootstrap: str, cap: int) -> None:
                 _reply([outcome.ok, outcome.reason])
             elif command == "state":
                 fences = {"fenced": len(agent.endpoint._fenced), "epochs": len(agent.endpoint._epochs)}
-                _reply({"tables": peer_tables(agent), "fence_records": fences, **footprint.state()})
+                _reply({"tables": peer_tables(agent), "fence_records": fences, **footprint.state(args == ["growth"])})
             else:
                 raise ValueError(f"unknown command {line!r}")
     finally:
