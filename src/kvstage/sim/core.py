@@ -3,7 +3,7 @@
 Owns `WorldCore`, the base of `World`: the attributes the event loop (world.py), the engine models
 (engines.py) and the data plane (dataplane.py) all read and change, the helpers they share (a node's ranks, a
 room's id, scheduling a completion) and the hooks one part implements for the others (`feed`,
-`_reschedule_timer` and `_pause` in world.py, `_crash_decode` in engines.py).
+`_reschedule_timer` and `_pause` in world.py, `_crash_decode` and `_restart_writer` in engines.py).
 World is one object made of these parts, so a test can override any step of any part in a subclass.
 
 Called by world.py, engines.py and dataplane.py.
@@ -46,7 +46,6 @@ class WorldCore(ABC):
     last_deadline: float
     _sessions: int  # the last session id handed to a starting rank
     _tokens: int  # the last in-flight write id
-    quarantine_restarts_armed: int  # writers to restart right after decode fails one of their rooms
     nodes: dict[str, Node]
     clocks: dict[str, NodeClock]  # by peer id: a restarted process keeps its host's clock
     writes: dict[int, InflightWrite]
@@ -71,6 +70,10 @@ class WorldCore(ABC):
     @abstractmethod
     def _crash_decode(self, instance: DecodeInstance) -> None:
         """Crash every rank of a decode instance now; it restarts later with new sessions (engines.py)."""
+
+    @abstractmethod
+    def _restart_writer(self, instance: PrefillInstance) -> None:
+        """Crash a prefill instance now; it restarts soon with a new session (engines.py)."""
 
     def _complete(self, node: Node, session: int, event: Event, at: float) -> None:
         self.queue.push(at, EventKind.COMPLETE, (node, session, event))

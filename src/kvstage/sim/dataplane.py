@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvstage.protocol import Completion, FenceScatter, Scatter, WriteDirect, WriteRegion
+from kvstage.protocol import Completion, FenceScatter, PrefillEndpoint, Scatter, WriteDirect, WriteRegion, reasons
 from kvstage.sim.clock import EventKind
 from kvstage.sim.core import WorldCore
 from kvstage.sim.memory import Words
@@ -39,7 +39,7 @@ class DataPlane(WorldCore):
     @property
     def max_write_s(self) -> float:
         """The transport's bound on a write's lifetime: it lands within this long of posting, or never."""
-        return 0.4 * self.config.timing.dead_after_s
+        return self.config.timing.max_write_s
 
     def _issue_write(self, node: Node, action: WriteRegion | WriteDirect) -> None:
         """The endpoint asked for a write: the runtime posts it after gathering and queueing it."""
@@ -55,14 +55,23 @@ class DataPlane(WorldCore):
         if node.paused_until is not None:
             node.held.append(post)
             return
-        if not self._lease_ok(node, action):
-            return
-        self._post_write(node, action)
+        self._post_checked(node, action)
+
+    def _post_checked(self, node: Node, action: WriteRegion | WriteDirect) -> None:
+        if self._lease_ok(node, action):
+            self._post_write(node, action)
 
     def _lease_ok(self, node: Node, action: WriteRegion | WriteDirect) -> bool:
         """The runtime's check at the moment of posting: the writer's lease towards the decode peer, read with
-        the writer's own clock, has not run out (docs/protocol.md)."""
-        return True
+        the writer's own clock, has not run out (docs/protocol.md, R13); else the write is answered
+        `lease expired` and never posted."""
+        endpoint = node.endpoint
+        assert isinstance(endpoint, PrefillEndpoint)
+        if node.clock.read(self.queue.now) < endpoint.lease_until(action.peer):
+            return True
+        self.trace.record(self.queue.now, node.peer_id, "lease expired", describe(action))
+        self.feed(node, Completion(action.token, False, reasons.LEASE_EXPIRED))
+        return False
 
     def _post_write(self, node: Node, action: WriteRegion | WriteDirect) -> None:
         target = self.nodes.get(action.peer)
@@ -79,6 +88,14 @@ class DataPlane(WorldCore):
             delay += self.rng.uniform(0.01, 0.06)
         if self.profile.stalled_writes and self.rng.random() < self.profile.stalled_writes:
             delay += self.rng.uniform(0.1, 1.5) * self.max_write_s
+        writer = self.prefill[node.instance]
+        if (
+            writer.restart_armed
+            or node.resumed_at == self.queue.now
+            or self.network.control_cut_off(node.peer_id, self.queue.now)
+        ):
+            # a writer in trouble: about to crash, just back from a stall, or cut off on the control plane
+            delay = max(delay, self.rng.uniform(0.5, 1.0) * self.max_write_s)
         if self.network.cut(node.peer_id, target.peer_id, self.queue.now, data=True):
             self._complete(node, node.session, Completion(action.token, False, "partitioned"), self.queue.now + delay)
             return
@@ -94,6 +111,8 @@ class DataPlane(WorldCore):
         decode = self.decode[target.instance]
         if decode.crash_armed:
             self._crash_decode(decode)
+        if writer.restart_armed:
+            self._restart_writer(writer)
 
     def _gather(self, node: Node, action: WriteRegion | WriteDirect) -> bytes | Words:
         assert node.kv is not None

@@ -6,7 +6,7 @@ pages, and when one rank fails it aborts the room on the others (a room is one r
 when they arrive but computes a room only once decode has admitted it (the bootstrap), in chunked forward passes
 in arrival order, limited by its own KV pool (R11), each pass announced by `ComputeScheduled` and finished by
 `KVReady`. Rooms are aborted from either side; prefill instances crash and restart with a new session id (also
-right after decode failed one of their rooms, so the new incarnation meets decode's quarantine); decode
+right after posting a slow write, so decode quarantines that room when it meets the new incarnation); decode
 instances crash while a write to them is in flight and restart with new sessions, and every room they held ends
 with them. Each node keeps one clock (`NodeClock`, drifting within `Timing.clock_drift`) across restarts, and
 every time an engine hands an endpoint (a deadline) is read on that node's clock.
@@ -57,7 +57,7 @@ class Engines(WorldCore):
         if clock is None:
             clock = NodeClock()
             if self.profile.drifting_clocks:
-                drift = 0.001
+                drift = self.config.timing.clock_drift
                 clock = NodeClock(self.rng.uniform(1.0, 100.0), 1.0 + self.rng.uniform(-drift, drift))
             self.clocks[peer_id] = clock
         return clock
@@ -274,7 +274,6 @@ class Engines(WorldCore):
             state.first_failure = reason
         if node.side == "decode":
             state.decode_outcome[node.rank] = reason
-            self._restart_writer_in_quarantine(state)
             self._abort_ranks(
                 self._decode_nodes(state.plan.decode), state.decode_registered, state.decode_outcome, room
             )
@@ -400,16 +399,14 @@ class Engines(WorldCore):
         for room in deferred:
             self._attach_prefill(room)
 
-    def _restart_writer_in_quarantine(self, state: RoomState) -> None:
-        """FaultProfile.quarantine_restarts: decode just failed the room, so it quarantines the room's space until
-        the writers confirm; the prefill instance crashes now and comes back soon with a new incarnation."""
-        instance = self.prefill[state.plan.prefill]
-        if self.quarantine_restarts_armed and instance.up and state.prefill_session == instance.session:
-            self.quarantine_restarts_armed -= 1
-            self.queue.push(self.queue.now, EventKind.CRASH, (instance.index, self.rng.uniform(0.01, 0.3)))
+    def _on_quarantine_restart(self, index: int) -> None:
+        self.prefill[index].restart_armed = True
 
-    def _on_quarantine_restart(self, _payload: None) -> None:
-        self.quarantine_restarts_armed += 1
+    def _restart_writer(self, instance: PrefillInstance) -> None:
+        """FaultProfile.quarantine_restarts: the instance crashes now, right after posting a slow write, and
+        comes back 10-50 ms later, so decode meets its new incarnation while the old one's write is in flight."""
+        instance.restart_armed = False
+        self.queue.push(self.queue.now, EventKind.CRASH, (instance.index, self.rng.uniform(0.01, 0.05)))
 
     def _on_decode_crash(self, index: int) -> None:
         self.decode[index].crash_armed = True

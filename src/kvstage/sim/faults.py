@@ -51,16 +51,17 @@ class FaultProfile:
     prefill_crashes: int = 0
     writer_partitions: float = 0.0
     """One writer (a prefill rank) loses its control frames, both ways or one way, for 0.3-2 x dead_after_s;
-    its data path stays up, so it may still land writes."""
+    its data path stays up, degraded (its writes take 0.5-1 x max_write_s), so it may still land writes."""
     writer_pauses: float = 0.0
-    """A writer stalls (GC, swap) for 1-1.8 x dead_after_s right after it asks for a write: it handles no event
-    and posts nothing meanwhile, then resumes with the queued write."""
+    """A writer stalls (GC, swap) for 0.3-1.8 x dead_after_s (mostly longer than dead_after_s) right after it asks
+    for a write: it handles no event and posts nothing meanwhile, then resumes with the queued write, which takes
+    0.5-1 x max_write_s (the process is still slow)."""
     decode_crashes: float = 0.0
     """A decode instance crashes while a write to it is in flight (writers hold grants) and restarts with new
     sessions 0.05-1.5 s later: every room it held ends."""
     quarantine_restarts: float = 0.0
-    """A prefill instance crashes right after a decode rank failed one of its rooms (while decode quarantines the
-    room's space) and restarts 10-300 ms later, so its new incarnation meets the quarantine."""
+    """A prefill instance crashes right after posting a write that takes 0.5-1 x max_write_s, and restarts 10-50 ms
+    later: decode meets the new incarnation while the old one's write is in flight, and quarantines its room."""
     partitions: int = 0
     partition_length: float = 0.0
     """Longest partition; partitions last 0.1 s up to this, some longer than the peer-death timeout."""
@@ -82,8 +83,13 @@ FAULT_LEVELS: dict[str, FaultProfile] = {
         scatter_failure=0.002,
         hostile_frames=0.02,
         send_failure=0.0005,
+        stalled_writes=0.002,
         tight_deadlines=0.03,
         drifting_clocks=True,
+        writer_partitions=0.3,
+        writer_pauses=0.3,
+        decode_crashes=0.2,
+        quarantine_restarts=0.3,
     ),
     "heavy": FaultProfile(
         "heavy",
@@ -96,9 +102,14 @@ FAULT_LEVELS: dict[str, FaultProfile] = {
         scatter_failure=0.005,
         hostile_frames=0.03,
         send_failure=0.002,
+        stalled_writes=0.01,
         tight_deadlines=0.05,
         drifting_clocks=True,
         prefill_crashes=1,
+        writer_partitions=1.0,
+        writer_pauses=1.0,
+        decode_crashes=0.5,
+        quarantine_restarts=1.0,
         partitions=2,
         partition_length=1.4,
         ring_chunks=2.0,

@@ -23,6 +23,9 @@ run, and the runner prints the seed, the invariant and the trace tail.
 - crash: an endpoint raised instead of answering an event (the world reports it like a violation).
 - R2 (a protocol rule checked directly, because its breakage is otherwise masked by retries): a decode rank
   sends Metadata only for a room it has registered.
+- R4 (checked directly, because a room whose notice is never retried still ends, by its deadline): a writer
+  whose ChunkReady the network dropped sends it again within `retry_max_s` (plus a grace), unless the room
+  ended on the writer, decode acknowledged the chunk meanwhile, or the writer is stalled or gone.
 
 Called by the world's parts only (world.py builds it; engines.py and dataplane.py call its checks).
 """
@@ -38,7 +41,7 @@ import numpy as np
 from kvstage.layout import heads_of_rank, page_slice
 from kvstage.protocol import DecodeEndpoint, PrefillEndpoint, WriteDirect, WriteRegion
 from kvstage.protocol.actions import Scatter
-from kvstage.protocol.messages import Envelope, Grant, Metadata
+from kvstage.protocol.messages import ChunkAck, ChunkReady, Envelope, Grant, Metadata
 from kvstage.protocol.prefill import PrefillRoomState
 from kvstage.protocol.reasons import FAILURE_REASONS
 from kvstage.sim.memory import Owner, expected_kv
@@ -73,6 +76,10 @@ class Checker:
         )
         self._legit = frozenset(world.rooms)
         self._announced: set[tuple[str, int]] = set()
+        # (writer, decode, room, chunk) -> by when a dropped ChunkReady must be sent again (R4), and the chunks
+        # decode has acknowledged to a writer (nothing is owed for them any more)
+        self._owed: dict[tuple[str, str, int, int], float] = {}
+        self._acked: set[tuple[str, str, int, int]] = set()
 
     def fail(self, invariant: str, detail: str) -> None:
         if not self.violations:
@@ -81,11 +88,15 @@ class Checker:
 
     # ---- ownership of staging regions -------------------------------------------------------------------------
 
-    def observe_decode_send(self, node: Node, envelope: Envelope) -> None:
-        """Label every ring region with the (room, chunk) of the Grant a decode rank sends for it, and check R2:
-        a decode rank announces (sends Metadata for) only a room it has registered."""
+    def observe_decode_send(self, node: Node, peer: str, envelope: Envelope) -> None:
+        """Label every ring region with the (room, chunk) of the Grant a decode rank sends for it, check R2: a
+        decode rank announces (sends Metadata for) only a room it has registered, and note ChunkAcks (R4)."""
         body = envelope.body
-        if isinstance(body, Grant) and body.end > body.offset and node.staging is not None:
+        if isinstance(body, ChunkAck):
+            key = (peer, node.peer_id, body.room, body.chunk)
+            self._acked.add(key)
+            self._owed.pop(key, None)
+        elif isinstance(body, Grant) and body.end > body.offset and node.staging is not None:
             node.staging.label(body.epoch, str(body.room), body.chunk)
         elif isinstance(body, Metadata) and (node.peer_id, body.room) not in self._announced:
             # the first Metadata is the announcement (a retry may share a call with the room's failure)
@@ -94,6 +105,31 @@ class Checker:
             assert isinstance(endpoint, DecodeEndpoint)
             if endpoint.room_state(body.room) is None:
                 self.fail("R2", f"{node.peer_id} announced room {body.room} before registering it")
+
+    def observe_prefill_send(self, node: Node, peer: str, envelope: Envelope, delivered: bool) -> None:
+        """R4: a ChunkReady the network dropped is owed again; any ChunkReady sent pays what is owed."""
+        body = envelope.body
+        if isinstance(body, ChunkReady):
+            key = (node.peer_id, peer, body.room, body.chunk)
+            if delivered or key in self._acked:
+                self._owed.pop(key, None)
+            else:
+                self._owed[key] = self.world.queue.now + self.world.config.timing.retry_max_s + DEADLINE_GRACE_S
+
+    def _check_retries(self, now: float) -> None:
+        """R4 for every dropped ChunkReady whose retry is due."""
+        for key, due in list(self._owed.items()):
+            if due > now:
+                continue
+            writer, _, room, chunk = key
+            node = self.world.nodes.get(writer)
+            endpoint = None if node is None else node.endpoint
+            if node is not None and node.paused_until is not None:
+                continue
+            del self._owed[key]
+            if isinstance(endpoint, PrefillEndpoint) and endpoint.room_state(room) == PrefillRoomState.ACTIVE:
+                self.fail("R4", f"{writer} never sent the dropped ChunkReady of room {room} chunk {chunk} again")
+                return
 
     # ---- per data operation -----------------------------------------------------------------------------------
 
@@ -216,8 +252,10 @@ class Checker:
                 self.fail("B1", f"{node.peer_id} parks {endpoint.parked_count()} chunks, more than {limit}")
 
     def after_step(self) -> None:
-        """L1: every room whose deadline (plus grace) has passed has ended everywhere it was seen."""
+        """L1: every room whose deadline (plus grace) has passed has ended everywhere it was seen; and R4."""
         now = self.world.queue.now
+        if self._owed:
+            self._check_retries(now)
         while self._deadlines:
             check_at, deadline, room = self._deadlines[0]
             if check_at + DEADLINE_GRACE_S > now:
@@ -254,6 +292,8 @@ class Checker:
             return False
         if node.paused_until is not None:
             return True
+        if node.resumed_at is not None and self.world.queue.now < node.resumed_at + DEADLINE_GRACE_S:
+            return True  # it just caught up on what it missed: its timers fire now
         endpoint = node.endpoint
         return isinstance(endpoint, PrefillEndpoint) and endpoint.room_state(room) == PrefillRoomState.DRAINING
 

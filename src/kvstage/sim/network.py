@@ -63,22 +63,24 @@ class Network:
     stats: NetworkStats = field(default_factory=NetworkStats)
     partitions: list[Partition] = field(default_factory=list)
 
-    def send(self, src: str, dst: str, frame: bytes) -> None:
-        """Put `frame` on the wire; it may be lost, duplicated, delayed or cut off by a partition."""
+    def send(self, src: str, dst: str, frame: bytes) -> bool:
+        """Put `frame` on the wire; it may be lost, duplicated, delayed or cut off by a partition. False if it was
+        dropped (lost or cut off)."""
         self.stats.sent += 1
         now = self.queue.now
         if self.cut(src, dst, now):
             self.stats.partitioned += 1
-            return
+            return False
         profile = self.profile
         if profile.loss and self.rng.random() < profile.loss:
             self.stats.lost += 1
-            return
+            return False
         copies = 2 if profile.duplicate and self.rng.random() < profile.duplicate else 1
         self.stats.duplicated += copies - 1
         delivery = Delivery(src, dst, frame)
         for _ in range(copies):
             self.queue.push(now + self.delay(), EventKind.DELIVER, delivery)
+        return True
 
     def delay(self) -> float:
         jitter = self.profile.delay_jitter
@@ -90,6 +92,10 @@ class Network:
             return False
         self.partitions = [p for p in self.partitions if p.until > now]
         return any(p.cuts(src, dst) for p in self.partitions if p.data or not data)
+
+    def control_cut_off(self, peer: str, now: float) -> bool:
+        """True while a control-plane partition cuts `peer` off (its data path is up, but degraded)."""
+        return any(not p.data and peer in p.side and p.until > now for p in self.partitions)
 
     def partition(self, partition: Partition) -> None:
         self.partitions.append(partition)

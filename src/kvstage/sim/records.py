@@ -57,6 +57,7 @@ class Node:
     paused_until: float | None = None
     """While set, the node's process is stalled: what reaches it is held until it resumes."""
     held: list[Event | PendingPost] = field(default_factory=list)
+    resumed_at: float | None = None
     pause_armed: bool = False
     """The node stalls right after it next asks for a write (FaultProfile.writer_pauses)."""
 
@@ -153,6 +154,8 @@ class PrefillInstance:
     busy: bool = False
     deferred: list[int] = field(default_factory=list)
     """Rooms that arrived while the instance was down."""
+    restart_armed: bool = False
+    """The instance crashes right after it next posts a write, made slow (FaultProfile.quarantine_restarts)."""
 
 
 @dataclass(slots=True)

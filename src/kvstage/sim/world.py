@@ -99,7 +99,6 @@ class World(DataPlane, Engines):
         self.steps = 0
         self._sessions = 0
         self._tokens = 0
-        self.quarantine_restarts_armed = 0
         self._forgeries_armed = 0
         self._recent: deque[tuple[str, str, Envelope]] = deque(maxlen=RECENT_FRAMES)
         self.nodes = {}
@@ -167,7 +166,8 @@ class World(DataPlane, Engines):
         for _ in range(self._count(profile.decode_crashes)):
             self.queue.push(self.rng.uniform(0.0, span), EventKind.DECODE_CRASH, self.rng.randrange(len(self.decode)))
         for _ in range(self._count(profile.quarantine_restarts)):
-            self.queue.push(self.rng.uniform(0.0, span), EventKind.QUARANTINE_RESTART, None)
+            writer = self.rng.randrange(len(self.prefill))
+            self.queue.push(self.rng.uniform(0.0, span), EventKind.QUARANTINE_RESTART, writer)
         if profile.hostile_frames:
             count = max(1, round(profile.hostile_frames * 100))
             for _ in range(count):
@@ -252,12 +252,16 @@ class World(DataPlane, Engines):
 
     def feed(self, node: Node, event: Event) -> None:
         """Hand `event` to `node`'s endpoint at the current time and carry out the actions it returns."""
-        endpoint = node.endpoint
-        if endpoint is None:
+        if node.endpoint is None:
             return
         if node.paused_until is not None:
             node.held.append(event)
             return
+        self._handle(node, event)
+
+    def _handle(self, node: Node, event: Event) -> None:
+        endpoint = node.endpoint
+        assert endpoint is not None
         now = node.clock.read(self.queue.now)
         self.events += 1
         self.trace.record(self.queue.now, node.peer_id, EVENT, event)
@@ -324,7 +328,7 @@ class World(DataPlane, Engines):
     def _send(self, node: Node, action: Send) -> None:
         envelope = action.envelope
         if node.side == "decode":
-            self.checker.observe_decode_send(node, envelope)
+            self.checker.observe_decode_send(node, action.peer, envelope)
         if self.profile.hostile_frames:
             self._recent.append((node.peer_id, action.peer, envelope))
             if self._forgeries_armed and isinstance(envelope.body, Grant):
@@ -332,7 +336,9 @@ class World(DataPlane, Engines):
         if self.profile.send_failure and self.rng.random() < self.profile.send_failure:
             self._complete(node, node.session, SendFailed(action.peer, envelope, "sim"), self.queue.now)
             return
-        self.network.send(node.peer_id, action.peer, self.codec.encode(envelope))
+        delivered = self.network.send(node.peer_id, action.peer, self.codec.encode(envelope))
+        if node.side == "prefill":
+            self.checker.observe_prefill_send(node, action.peer, envelope, delivered)
 
     def _on_deliver(self, payload: Delivery) -> None:
         node = self.nodes.get(payload.dst)
@@ -396,7 +402,7 @@ class World(DataPlane, Engines):
 
     def _pause(self, node: Node) -> None:
         node.pause_armed = False
-        length = self.rng.uniform(1.0, 1.8) * self.config.timing.dead_after_s
+        length = self.rng.uniform(0.3, 1.8) * self.config.timing.dead_after_s
         node.paused_until = self.queue.now + length
         self.trace.record(self.queue.now, node.peer_id, "PAUSE", f"for {length * 1000:.0f}ms")
         self.queue.push(node.paused_until, EventKind.RESUME, (node, node.session))
@@ -404,16 +410,19 @@ class World(DataPlane, Engines):
     def _on_resume(self, payload: tuple[Node, int]) -> None:
         """The stalled writer runs again: it handles what reached it meanwhile, in order, then posts its writes."""
         node, session = payload
-        if node.session != session or node.endpoint is None:
+        if node.session != session:
             return
-        node.paused_until = None
-        held, node.held = node.held, []
-        self.trace.record(self.queue.now, node.peer_id, "RESUME", f"{len(held)} held")
-        for item in held:
+        self.trace.record(self.queue.now, node.peer_id, "RESUME", f"{len(node.held)} held")
+        node.resumed_at = self.queue.now
+        # still paused while it catches up: whatever its handling causes queues up behind what was held
+        while node.held and node.endpoint is not None:
+            item = node.held.pop(0)
             if isinstance(item, PendingPost):
-                self._on_post(item)
+                self._post_checked(item.node, item.action)
             else:
-                self.feed(node, item)
+                self._handle(node, item)
+        node.paused_until = None
+        node.held.clear()
         self._reschedule_timer(node)
 
     def _on_complete(self, payload: tuple[Node, int, Event]) -> None:
