@@ -124,7 +124,7 @@ class Checker:
             writer, _, room, chunk = key
             node = self.world.nodes.get(writer)
             endpoint = None if node is None else node.endpoint
-            if node is not None and node.paused_until is not None:
+            if node is not None and self._stalled(node):
                 continue
             del self._owed[key]
             if isinstance(endpoint, PrefillEndpoint) and endpoint.room_state(room) == PrefillRoomState.ACTIVE:
@@ -290,12 +290,16 @@ class Checker:
         node = self.world.nodes.get(where)
         if node is None or node.endpoint is None:
             return False
-        if node.paused_until is not None:
+        if self._stalled(node):
             return True
-        if node.resumed_at is not None and self.world.queue.now < node.resumed_at + DEADLINE_GRACE_S:
-            return True  # it just caught up on what it missed: its timers fire now
         endpoint = node.endpoint
         return isinstance(endpoint, PrefillEndpoint) and endpoint.room_state(room) == PrefillRoomState.DRAINING
+
+    def _stalled(self, node: Node) -> bool:
+        """The node's process is paused, or has just resumed (its timers run in the next step)."""
+        if node.paused_until is not None:
+            return True
+        return node.resumed_at is not None and self.world.queue.now < node.resumed_at + DEADLINE_GRACE_S
 
     def all_rooms_done(self) -> bool:
         return not self._deadlines or all(not self.open_ranks(r) for r in self.world.rooms)

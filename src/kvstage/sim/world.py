@@ -408,18 +408,20 @@ class World(DataPlane, Engines):
         self.queue.push(node.paused_until, EventKind.RESUME, (node, node.session))
 
     def _on_resume(self, payload: tuple[Node, int]) -> None:
-        """The stalled writer runs again: it handles what reached it meanwhile, in order, then posts its writes."""
+        """The stalled writer runs again: it handles what reached it meanwhile, in order (its queued writes among
+        them, lease checked now), then runs its timers."""
         node, session = payload
         if node.session != session:
             return
         self.trace.record(self.queue.now, node.peer_id, "RESUME", f"{len(node.held)} held")
         node.resumed_at = self.queue.now
-        # still paused while it catches up: whatever its handling causes queues up behind what was held
+        # still paused while it catches up: whatever its handling causes queues up behind what was held; like a
+        # runtime's loop, it drains its inbox before its timers run (once, at the end)
         while node.held and node.endpoint is not None:
             item = node.held.pop(0)
             if isinstance(item, PendingPost):
                 self._post_checked(item.node, item.action)
-            else:
+            elif not isinstance(item, Tick):
                 self._handle(node, item)
         node.paused_until = None
         node.held.clear()
