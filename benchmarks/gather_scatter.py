@@ -7,7 +7,10 @@ device (CUDA when present, else CPU), each case times:
   of the pool's integer view), slots looked up once;
 - `gather-triton` / `scatter-triton`: `dataplane.kernels` (one Triton launch), slots looked up once (CUDA only);
 - `gather` / `scatter`: `dataplane.stage`'s calls with the page check and slot lookup in every call, through
-  whichever kernel stage picks for the device (the scatter also waits until its bytes landed).
+  whichever kernel stage picks for the device (the scatter also waits until its bytes landed);
+- `region-scatter-triton` (CUDA, a decode rank with several writers): the whole chunk region, every writer's block,
+  scattered in one launch as the decode agent does (`queue_scatter_region`), against `region-copy`, a device copy
+  of the region's bytes.
 Each of `--runs` runs draws fresh random pages and times every path, interleaved (median of `--repeats` timings
 after warm-up, each of `--batch` calls between two CUDA events: 1 counts a call's host-side launch cost, 10 only
 the device time); the ratio to `copy` is taken within the run. Printed: GB/s (block bytes
@@ -31,7 +34,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvstage.dataplane import KVPool, StagingBuffer, gather, scatter
+from kvstage.dataplane import KVPool, StagingBuffer, gather, queue_scatter_region, scatter
 from kvstage.dataplane.pool import WORD_DTYPES
 from kvstage.layout import KVLayout, plan_staging
 
@@ -90,7 +93,7 @@ class Setup:
         self.case, self.device = case, device
         layout = KVLayout(case.layers, case.heads, case.head_dim, case.dtype, case.page_size)
         plan = plan_staging(layout, case.prefill_tp, case.decode_tp, 0, case.tokens)
-        self.block = plan.blocks[0]
+        self.plan, self.block = plan, plan.blocks[0]
         self.num_pages = 2 * -(-case.tokens // case.page_size)
         self.src = KVPool.for_rank(layout, case.prefill_tp, self.block.prefill_rank, self.num_pages, device)
         self.dst = KVPool.for_rank(layout, case.decode_tp, 0, self.num_pages, device)
@@ -99,6 +102,7 @@ class Setup:
             pool.allocator.allocate(self.num_pages)
         self.staging = StagingBuffer(plan.total_bytes, device).flat
         self.spare = torch.empty_like(self.staging[: self.block.nbytes])
+        self.region_spare = torch.empty_like(self.staging)
         self.generator = torch.Generator().manual_seed(0)
         self.draw()
 
@@ -113,6 +117,10 @@ class Setup:
     def copy(self) -> None:
         """The block's bytes copied once, contiguously: the ceiling every path is measured against."""
         self.spare.copy_(self.staging[: self.block.nbytes])
+
+    def region_copy(self) -> None:
+        """The whole region's bytes copied once: the ceiling of the region scatter."""
+        self.region_spare.copy_(self.staging)
 
     def _torch_views(self, pool: KVPool, head_start: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(pool heads `[2, L, slots, heads, words]`, block `[2, L, tokens, heads, words]`): the torch path's views."""
@@ -139,6 +147,11 @@ class Setup:
         }
         if self.device.type == "cuda":
             paths.update(self.triton_paths(None))
+            if len(self.plan.blocks) > 1:
+                paths["region-copy"] = self.region_copy
+                paths["region-scatter-triton"] = lambda: queue_scatter_region(
+                    self.staging, 0, self.plan, self.dst, self.dst_slots
+                )
         return paths
 
     def triton_paths(self, cfg: LaunchConfig | None) -> dict[str, Path]:
@@ -176,12 +189,14 @@ def measure(case: Case, device: torch.device, runs: int, repeats: int, batch: in
     samples = list(_runs(setup, setup.paths(), runs, repeats, batch))
     nbytes = setup.block.nbytes
     print(f"{case}: block {nbytes / 2**20:.0f} MiB, {runs} runs x median of {repeats}, {batch} call(s) per timing")
-    print(f"{'path':>15}  {'GB/s median (min-max)':>26}  {'x copy median (min-max)':>26}")
+    print(f"{'path':>22}  {'GB/s median (min-max)':>26}  {'x copy median (min-max)':>26}")
     for name in samples[0]:
-        gbps = [nbytes / s[name] / 1e9 for s in samples]
-        ratio = [s["copy"] / s[name] for s in samples]
-        print(f"{name:>15}  {_spread(gbps):>26}  {'' if name == 'copy' else _spread(ratio):>26}")
-    return {"case": str(case), "block_bytes": nbytes, "seconds": samples}
+        region = name.startswith("region-")  # measured against the copy of the whole region
+        size, copy = (setup.plan.total_bytes, "region-copy") if region else (nbytes, "copy")
+        gbps = [size / s[name] / 1e9 for s in samples]
+        ratio = [s[copy] / s[name] for s in samples]
+        print(f"{name:>22}  {_spread(gbps):>26}  {'' if name == copy else _spread(ratio):>26}")
+    return {"case": str(case), "block_bytes": nbytes, "region_bytes": setup.plan.total_bytes, "seconds": samples}
 
 
 def sweep(case: Case, device: torch.device, runs: int, repeats: int, batch: int) -> dict[str, object]:

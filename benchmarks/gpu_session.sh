@@ -2,8 +2,9 @@
 # One call on a lent GPU machine (docs/gpu.md): every `gpu` test, the gather/scatter benchmark in device time and
 # per call, and `kvstage bench --backend cuda_ipc --device cuda`; each step's log goes to $OUT (default ./out).
 # Missing wheels (msgspec, pyzmq) are installed from .whl/ when it exists. Each step has its own time limit, so a
-# stuck step costs only its own share of the call. Usage: bash benchmarks/gpu_session.sh [STEP ...]
-# (steps: tests gs_device gs_call bench; default all).
+# stuck step costs only its own share of the call. Usage: bash benchmarks/gpu_session.sh [STEP ...], in the order
+# given (default: tests gs_device gs_call bench; also gs_shapes, the other shapes in device time, and bench_c4,
+# the bench with 4 requests at once).
 set -u -o pipefail
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -28,17 +29,22 @@ step() {  # step NAME SECONDS COMMAND...
     tail -n 12 "$OUT/$name.log"
 }
 
-want() { [ $# -eq 0 ] || [[ " $* " == *" $STEP "* ]]; }
 GS="python3 benchmarks/gather_scatter.py --tokens 4096 16384"
-for STEP in tests gs_device gs_call bench; do
-    want "$@" || continue
+BENCH="python3 -m kvstage bench --backend cuda_ipc --device cuda --model llama3-8b --prefill-tp 4 --decode-tp 2 \
+    --tokens 4096 --page-size 16 --repeats 5 --json"
+STEPS=("$@")
+[ ${#STEPS[@]} -eq 0 ] && STEPS=(tests gs_device gs_call bench)
+for STEP in "${STEPS[@]}"; do
     case $STEP in
     tests) step tests 270 python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts="" --timeout 120 \
         tests/transport/test_cuda_ipc.py tests/runtime/test_gpu_agents.py tests/dataplane/test_kernels_gpu.py \
         tests/dataplane/test_dataplane_roundtrip.py tests/runtime/test_agents.py ;;
     gs_device) step gs_device 100 $GS --runs 7 --repeats 10 --batch 10 ;;
     gs_call) step gs_call 70 $GS --runs 7 --repeats 20 ;;
-    bench) step bench 170 python3 -m kvstage bench --backend cuda_ipc --device cuda --model llama3-8b \
-        --prefill-tp 4 --decode-tp 2 --tokens 4096 --page-size 16 --repeats 5 --json ;;
+    gs_shapes) step gs_shapes 120 bash -c "$GS --page-size 1 64 --runs 5 --repeats 10 --batch 10 &&
+        $GS --dtype float8_e4m3fn --runs 5 --repeats 10 --batch 10 && $GS --tp 16:2 --runs 5 --repeats 10 --batch 10" ;;
+    bench) step bench 170 $BENCH ;;
+    bench_c4) step bench_c4 170 $BENCH --concurrency 4 ;;
+    *) echo "unknown step $STEP" ;;
     esac
 done

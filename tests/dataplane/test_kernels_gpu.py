@@ -3,7 +3,8 @@
 Reference: the torch path of dataplane.stage run on CPU copies of the same pools, slots and staging bytes. Every
 dtype x page size {1, 16, 64} x (H, P, D) pair including replicated heads (TP > H), tokens starting mid-page and a
 chunk tail; staging and pools start as random bytes, so an unwritten or stray byte shows. Engine layouts (per-layer
-4-D views of any stride order, evenly spaced or not) are checked against plain indexing.
+4-D views of any stride order, evenly spaced or not) are checked against plain indexing. A fan-in region's writer
+blocks, scattered in one launch, land as the torch path lands them block by block.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import TYPE_CHECKING
 import pytest
 import torch
 
-from kvstage.dataplane import EngineKV, KVCacheFormat, KVPool, gather_slots, scatter_slots
+from kvstage.dataplane import EngineKV, KVCacheFormat, KVPool, gather_slots, queue_scatter_region, scatter_slots
 from kvstage.errors import InvalidRequest
 from kvstage.layout import DTYPE_BYTES, KVLayout, plan_staging
 
@@ -88,6 +89,31 @@ def test_triton_gather_and_scatter_equal_the_torch_path_for_every_dtype(h: int, 
                 _address(dst).scatter(got, block.offset + 3, dst_slots, *heads)
             torch.cuda.synchronize()
             assert torch.equal(dst.flat.cpu(), dst_cpu.flat), (dtype, decode_rank)
+
+
+@pytest.mark.parametrize(("h", "p", "d"), [(8, 4, 2), (8, 8, 1), (6, 3, 1), (8, 16, 2)])
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+def test_a_fan_in_regions_blocks_scatter_in_one_launch_as_the_torch_path_does_block_by_block(
+    h: int, p: int, d: int, page_size: int
+) -> None:
+    gen = torch.Generator().manual_seed(1000 + 100 * h + 10 * p + d + page_size)
+    for dtype in DTYPE_BYTES:
+        layout = KVLayout(NUM_LAYERS, h, 96 if h == 6 else 64, dtype, page_size)
+        num_tokens = 2 * page_size + 5
+        num_pages = -(-(TOKEN_START + num_tokens) // page_size) + 3
+        plan = plan_staging(layout, p, d, 0, num_tokens)
+        dst = _random_pool(layout, d, 0, num_pages, gen)
+        dst_cpu = _on_cpu(dst)
+        pages = torch.randperm(num_pages, generator=gen).tolist()
+        staging = torch.randint(0, 256, (plan.total_bytes + 64,), dtype=torch.uint8, generator=gen)
+        for block in plan.blocks:
+            heads = (block.transfer.dst_head_start, block.transfer.num_heads)
+            slots_cpu = dst_cpu.slot_indices(pages, TOKEN_START, TOKEN_START + num_tokens)
+            scatter_slots(staging, 48 + block.offset, dst_cpu, slots_cpu, *heads)
+        slots = dst.slot_indices(pages, TOKEN_START, TOKEN_START + num_tokens)
+        assert queue_scatter_region(staging.cuda(), 48, plan, dst, slots) == plan.total_bytes
+        torch.cuda.synchronize()
+        assert torch.equal(dst.flat.cpu(), dst_cpu.flat), (dtype, len(plan.blocks))
 
 
 def _engine_views(layout: KVLayout, heads: int, num_pages: int, order: str, spacing: int) -> list[torch.Tensor]:

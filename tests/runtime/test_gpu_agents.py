@@ -25,8 +25,8 @@ pytestmark = [
 LAYOUT = KVLayout(num_layers=4, num_kv_heads=4, head_dim=64, dtype="bfloat16", page_size=16)
 TIMING = Timing(heartbeat_s=0.2, dead_after_s=10.0, retry_initial_s=0.02, retry_max_s=0.2)
 CHUNK, RING = 64, 1 << 22
-#: GPU cycles that keep a copy thread's stream busy (about 1.5 s at the H200's 1.98 GHz)
-HOLD_CYCLES = 3_000_000_000
+#: GPU cycles that keep a copy thread's stream busy (about 3 s at the H200's 1.98 GHz)
+HOLD_CYCLES = 6_000_000_000
 
 
 @pytest.fixture
@@ -94,6 +94,13 @@ def _landed(decode: list[DecodeAgent], sides: dict) -> bool:
     return True
 
 
+def _warm_up(prefill: list[PrefillAgent], decode: list[DecodeAgent]) -> None:
+    """One room end to end, so that peers are resolved and kernels compiled before a test holds a stream."""
+    _start_room(prefill, decode, 100, 64)
+    for agent in decode + prefill:
+        assert wait_outcomes(agent, 1, timeout=60)[100].ok
+
+
 def _hold_stream(stream: torch.cuda.Stream) -> torch.cuda.Event:
     """Keep `stream` busy for HOLD_CYCLES GPU cycles; the event completes when it is free again."""
     with torch.cuda.stream(stream):
@@ -120,11 +127,12 @@ def test_a_chunks_ring_space_is_freed_only_once_its_scatter_has_landed(cluster):
     prefill, decode = cluster(2, 1)
     [reader] = decode
     assert reader.copier.stream is not None
+    _warm_up(prefill, decode)
     released = _hold_stream(reader.copier.stream)  # every scatter queues behind this
     sides = _start_room(prefill, decode, 1, 128)
-    deadline = time.monotonic() + 30
-    while reader.snapshot().ring_live_bytes == 0 and time.monotonic() < deadline:
-        time.sleep(0.005)
+    while not reader._landing:  # a scatter queued behind the held stream
+        assert not released.query(), "the held stream ran out before a scatter was queued: raise HOLD_CYCLES"
+        time.sleep(0.002)
     while not released.query():
         assert reader.snapshot().ring_live_bytes > 0 and not reader.poll(), "ring freed before the scatter landed"
         time.sleep(0.01)
@@ -136,13 +144,12 @@ def test_an_abort_during_a_scatter_gives_the_pages_back_only_after_that_scatter_
     prefill, decode = cluster(2, 1)
     [reader] = decode
     assert reader.copier.stream is not None
+    _warm_up(prefill, decode)
     released = _hold_stream(reader.copier.stream)
     sides = _start_room(prefill, decode, 7, 128)
-    deadline = time.monotonic() + 30
     while not reader._landing:  # a scatter queued behind the held stream
-        assert time.monotonic() < deadline, "no scatter was queued"
+        assert not released.query(), "the held stream ran out before a scatter was queued: raise HOLD_CYCLES"
         time.sleep(0.002)
-    assert not released.query(), "the held stream ran out before the abort: raise HOLD_CYCLES"
     reader.abort(7)
     while not released.query():
         assert not reader.poll(), "the failed room's pages went back while its scatter was still queued"

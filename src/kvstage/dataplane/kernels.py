@@ -2,8 +2,10 @@
 
 Owns `KVAddress` (where one rank's K and V pages lie: a base tensor, a byte offset per (K|V, layer) and the byte
 strides of page, position in page and head, so a contiguous `KVPool` and an engine's own per-layer 4-D views
-`[pages, page_size, heads, head_dim]` of any stride order are served alike) with its two copies, `gather` (KV ->
-block) and `scatter` (block -> KV); `address_of` (a store's address, built once) and `LaunchConfig`.
+`[pages, page_size, heads, head_dim]` of any stride order are served alike) with its copies, `gather` (KV ->
+block), `scatter` (block -> KV) and `scatter_blocks` (several writers' blocks of one staging region, adjacent in
+the region and in the heads, in one launch, so every program writes whole slot rows of those heads); `address_of`
+(a store's address, built once) and `LaunchConfig`.
 
 Block layout as in dataplane.stage: `[K layer 0..L-1 | V layer 0..L-1]`, each layer `tokens x heads x head bytes`.
 One program copies `block_tokens` tokens of one (K|V, layer): a `[tokens, heads, head bytes]` tile, read and written
@@ -91,7 +93,7 @@ class KVAddress:
     ) -> int:
         """Queue the copy of `slots`' tokens of heads `[head_start, +num_heads)` into the block at byte `offset` of
         `staging`, all layers and K and V in one launch. Returns the block's bytes."""
-        return _launch(self, slots, head_start, num_heads, staging, offset, config, gather=True)
+        return _launch(self, slots, head_start, num_heads, staging, offset, config, gather=True, blocks=1)
 
     def scatter(
         self,
@@ -104,7 +106,22 @@ class KVAddress:
     ) -> int:
         """Queue the copy of the block at byte `offset` of `staging` into `slots`' tokens of heads
         `[head_start, +num_heads)`: the inverse of `gather`. Returns the block's bytes."""
-        return _launch(self, slots, head_start, num_heads, staging, offset, config, gather=False)
+        return _launch(self, slots, head_start, num_heads, staging, offset, config, gather=False, blocks=1)
+
+    def scatter_blocks(
+        self,
+        staging: torch.Tensor,
+        offset: int,
+        slots: torch.Tensor,
+        head_start: int,
+        heads_per_block: int,
+        blocks: int,
+        config: LaunchConfig | None = None,
+    ) -> int:
+        """`scatter` of `blocks` blocks that lie back to back from byte `offset`, block b holding heads
+        `[head_start + b * heads_per_block, +heads_per_block)`, in one launch: each program writes whole rows of
+        `blocks * heads_per_block` heads (a fan-in region's writers, P > D). Returns the blocks' bytes."""
+        return _launch(self, slots, head_start, heads_per_block, staging, offset, config, gather=False, blocks=blocks)
 
     @property
     def device(self) -> torch.device:
@@ -220,25 +237,26 @@ def _launch(
     config: LaunchConfig | None,
     *,
     gather: bool,
+    blocks: int,
 ) -> int:
     num_tokens = slots.numel()
-    nbytes = kv.num_views * num_tokens * num_heads * kv.head_bytes
-    _check(kv, slots, head_start, num_heads, staging, offset, nbytes)
+    block_bytes = kv.num_views * num_tokens * num_heads * kv.head_bytes
+    _check(kv, slots, head_start, blocks * num_heads, staging, offset, blocks * block_bytes)
     if not num_tokens:
         return 0
     dynamic = (_pointer_spec(slots), _pointer_spec(staging), _int_spec(offset), _int_spec(num_tokens))
-    key = (kv.spec, num_heads, head_start, gather, config, *dynamic)
+    key = (kv.spec, num_heads, blocks, head_start, gather, config, *dynamic, _int_spec(block_bytes))
     table = kv.base if kv.layer_table is None else kv.layer_table
     args = (
         *(kv.base, table, slots, staging, offset, num_tokens, kv.num_slots),
-        *(kv.layer_first, kv.layer_stride, kv.page_stride, kv.pos_stride, kv.head_stride, head_start),
+        *(kv.layer_first, kv.layer_stride, kv.page_stride, kv.pos_stride, kv.head_stride, head_start, block_bytes),
     )
     if kv.device.type == "cuda" and kv.device.index != torch.cuda.current_device():
         with torch.cuda.device(kv.device):  # Triton launches on the current device
-            _run(key, kv, args, num_heads, config, gather)
+            _run(key, kv, args, num_heads, blocks, config, gather)
     else:
-        _run(key, kv, args, num_heads, config, gather)
-    return nbytes
+        _run(key, kv, args, num_heads, blocks, config, gather)
+    return blocks * block_bytes
 
 
 #: Compiled kernels (and their launch grid's block and constexprs) by everything Triton specialises a launch on:
@@ -246,7 +264,9 @@ def _launch(
 #: 1 and being 32-bit. A repeated launch skips Triton's per-call dispatch: 23 us of host time per call against 37.5
 #: on the H200 host (docs/benchmarks.md). Bounded: a few entries per KV, head range and launch configuration.
 _COMPILED: dict[tuple[object, ...], tuple[Any, int, tuple[object, ...]]] = {}
-_CONSTEXPRS = ("PAGE_SIZE", "NUM_HEADS", "HEAD_BYTES", "HEADS_P2", "BYTES_P2", "BLOCK_T", "TABLE_ALIGN", "GATHER")
+_CONSTEXPRS = (
+    "PAGE_SIZE", "NUM_HEADS", "HEAD_BYTES", "HEADS_P2", "BYTES_P2", "BLOCK_T", "TABLE_ALIGN", "GATHER", "BLOCKS",
+)  # fmt: skip
 
 
 def _run(
@@ -254,16 +274,17 @@ def _run(
     kv: KVAddress,
     args: tuple[Any, ...],
     num_heads: int,
+    blocks: int,
     config: LaunchConfig | None,
     gather: bool,
 ) -> None:
     entry = _COMPILED.get(key)
     if entry is None:
-        config = config or default_config(kv, num_heads)
+        config = config or default_config(kv, blocks * num_heads)
         constexprs: tuple[object, ...] = (
-            *(kv.page_size, num_heads, kv.head_bytes, triton.next_power_of_2(num_heads)),
+            *(kv.page_size, num_heads, kv.head_bytes, triton.next_power_of_2(blocks * num_heads)),
             *(triton.next_power_of_2(kv.head_bytes), config.block_tokens),
-            *(0 if kv.layer_table is None else kv.table_align, gather),
+            *(0 if kv.layer_table is None else kv.table_align, gather, blocks),
         )
         grid = (triton.cdiv(args[5], config.block_tokens), kv.num_views, 1)
         params = dict(zip(_CONSTEXPRS, constexprs, strict=True))
@@ -322,6 +343,7 @@ def _copy_kernel(  # type: ignore[no-untyped-def]
     pos_stride,
     head_stride,
     head_start,
+    block_bytes,
     PAGE_SIZE: tl.constexpr,
     NUM_HEADS: tl.constexpr,
     HEAD_BYTES: tl.constexpr,
@@ -330,8 +352,10 @@ def _copy_kernel(  # type: ignore[no-untyped-def]
     BLOCK_T: tl.constexpr,
     TABLE_ALIGN: tl.constexpr,
     GATHER: tl.constexpr,
+    BLOCKS: tl.constexpr,
 ):
-    """Copy a `[BLOCK_T tokens, heads, head bytes]` tile of one (K|V, layer) between the KV and the block."""
+    """Copy a `[BLOCK_T tokens, heads, head bytes]` tile of one (K|V, layer) between the KV and the block(s): head h
+    of the tile is head `h % NUM_HEADS` of block `h // NUM_HEADS`, the blocks `block_bytes` apart."""
     view = tl.program_id(1).to(tl.int64)
     token = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     slot = tl.load(slots_ptr + token, mask=token < num_tokens, other=-1)
@@ -345,9 +369,10 @@ def _copy_kernel(  # type: ignore[no-untyped-def]
     byte = tl.arange(0, BYTES_P2)
     kv_at = kv_ptr + row[:, None, None] + (head * head_stride)[None, :, None] + byte[None, None, :]
     block_row = (view * num_tokens + token) * NUM_HEADS
-    block_at = block_ptr + block_offset + (block_row[:, None, None] + head[None, :, None]) * HEAD_BYTES
+    in_block = (head // NUM_HEADS).to(tl.int64) * block_bytes + (head % NUM_HEADS) * HEAD_BYTES
+    block_at = block_ptr + block_offset + block_row[:, None, None] * HEAD_BYTES + in_block[None, :, None]
     block_at += byte[None, None, :]
-    mask = valid[:, None, None] & (head < NUM_HEADS)[None, :, None] & (byte < HEAD_BYTES)[None, None, :]
+    mask = valid[:, None, None] & (head < BLOCKS * NUM_HEADS)[None, :, None] & (byte < HEAD_BYTES)[None, None, :]
     if GATHER:
         tl.store(block_at, tl.load(kv_at, mask=mask), mask=mask)
     else:

@@ -304,9 +304,27 @@ def queue_scatter_region(
     if plan.num_tokens != slots.numel():
         raise InvalidRequest(f"plan for {plan.num_tokens} tokens cannot scatter into {slots.numel()} slots")
     _check_region(staging, region_offset, plan, kv)
+    address = _kernel_address(kv, staging)
+    if address is not None and _adjacent(plan):  # fan-in: the writers' blocks in one launch, whole slot rows
+        first = plan.blocks[0].transfer
+        heads, blocks = first.num_heads, len(plan.blocks)
+        return address.scatter_blocks(staging, region_offset, slots, first.dst_head_start, heads, blocks)
     return sum(
         _queue_scatter(staging, region_offset + b.offset, kv, slots, b.transfer.dst_head_start, b.transfer.num_heads)
         for b in plan.blocks
+    )
+
+
+def _adjacent(plan: StagingPlan) -> bool:
+    """Whether the plan's blocks are back to back from offset 0, of one head count, holding consecutive heads."""
+    first = plan.blocks[0]
+    heads, nbytes = first.transfer.num_heads, first.nbytes
+    return len(plan.blocks) > 1 and all(
+        b.offset == i * nbytes
+        and b.nbytes == nbytes
+        and b.transfer.num_heads == heads
+        and b.transfer.dst_head_start == first.transfer.dst_head_start + i * heads
+        for i, b in enumerate(plan.blocks)
     )
 
 
