@@ -15,8 +15,8 @@ A phase with `hold_after_first_chunk` computes only each room's first chunk, lea
 computes the rest of each of them when the `release` file appears (after the test killed decode, the write of the
 held grant goes to a dead peer).
 A phase with `cut` (a marker path) and a `release` makes this rank a writer cut off from decode: on the release it
-first stalls its data transport (its transfer threads stop after their next completion, as in a long pause or a
-congested link), then computes the held rooms, and once a write of them waits in the transport it drops every
+first stalls its data transport (its transfer threads stop before they start their next write, as in a long pause
+or a congested link), then computes the held rooms, and once a write of them waits in the transport it drops every
 control frame to and from its peers from then on (the data path stays up) and creates the `cut` file. It lets the
 data path go on when the `unstall` file appears (its rooms cannot end before: their writes are in flight); its
 report lists every transfer completion seen after the cut.
@@ -44,6 +44,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -104,34 +105,34 @@ RING_BLOCK = 4096
 
 
 class ControlCut:
-    """The test-side fault of a writer cut off from decode, on a running agent: `stall` holds the transport's
-    transfer threads after their next completion (writes submitted meanwhile wait in the backend's queue),
-    `cut` drops every control frame in and out from then on, `unstall` lets the transfer threads go on.
-    Completions polled after the cut are recorded with their wall time."""
+    """The test-side fault of a writer cut off from decode, on a running agent: `stall` holds every transfer thread
+    of the data transport before it starts its next write (writes submitted meanwhile wait in the backend's queue,
+    not started: a long pause or a congested link), `cut` drops every control frame in and out from then on,
+    `unstall` lets the transfer threads go on. Completions polled after the cut are recorded with their wall time."""
 
-    def __init__(self, agent: PrefillAgent | DecodeAgent, backend: str) -> None:
+    def __init__(self, agent: PrefillAgent | DecodeAgent) -> None:
         self.agent = agent
-        self._transfer_threads = f"kvstage-{backend}-"
         self._go = threading.Event()
         self._go.set()
-        self._held = threading.Event()
+        self.held = 0  # transfer threads waiting to start a write
         self.completions: list[dict] = []
         self.is_cut = False
         transport: DataTransport = agent.transport
-        wake, poll = transport._wake, transport.poll
-        transport.on_completion(lambda: self._after_completion(wake))
+        runner = getattr(transport, "_copier", None) or transport._writer  # local's copy thread, the others' writers
+        run = runner._run
+        runner._run = lambda job: self._before(run, job)
+        poll = transport.poll
         transport.poll = lambda: self._record(poll())  # type: ignore[method-assign]
         channel = agent.channel
         send, deliver = channel.send, channel._deliver
         channel.send = lambda peer, message: None if self.is_cut else send(peer, message)  # type: ignore[method-assign]
         channel._deliver = lambda message: None if self.is_cut else deliver(message)
 
-    def _after_completion(self, wake: object) -> None:
-        if callable(wake):
-            wake()
-        if threading.current_thread().name.startswith(self._transfer_threads) and not self._go.is_set():
-            self._held.set()
+    def _before(self, run: Callable[[object], Completion], job: object) -> Completion:
+        if not self._go.is_set():
+            self.held += 1
             self._go.wait()
+        return run(job)
 
     def _record(self, completions: list[Completion]) -> list[Completion]:
         if self.is_cut:
@@ -142,8 +143,8 @@ class ControlCut:
         self._go.clear()
 
     def write_waits(self) -> bool:
-        """A transfer thread is held and a write waits behind it in the transport."""
-        return self._held.is_set() and self.agent.transport.in_flight > 0
+        """A write waits in the stalled transport, not started."""
+        return self.held > 0
 
     def cut(self) -> None:
         self.is_cut = True
@@ -202,7 +203,7 @@ class Worker:
     def run(self) -> None:
         self.agent.start()
         if any(phase.get("cut") for phase in self.spec["phases"]):
-            self.control_cut = ControlCut(self.agent, self.spec["backend"])
+            self.control_cut = ControlCut(self.agent)
         try:
             if self.role == "decode":  # like an engine at start-up: admit rooms once every prefill rank is up
                 self.agent.connect(self.spec["peer_instance"], self.spec["peer_tp"], timeout_s=120)

@@ -32,7 +32,7 @@ def _cut_writer_cluster(tmp: Path, backend: str) -> Cluster:
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("backend", [p for p in BACKENDS if p.values[0] == "local"])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_a_writer_cut_off_from_decode_never_lands_its_queued_write_after_decode_reused_the_ring_space(
     tmp_path: Path, backend: str
 ) -> None:

@@ -98,9 +98,7 @@ class Cluster:
         while time.monotonic() < deadline:
             if all(p.exists() for p in paths):
                 return [json.loads(p.read_text()) for p in paths]
-            for name, proc in self.procs.items():
-                if proc.poll() is not None and proc.returncode != -signal.SIGKILL:
-                    pytest.fail(f"worker {name} exited with {proc.returncode}:\n{self.log_tail(name)}")
+            self.fail_on_exited_worker()
             time.sleep(0.05)
         missing = [p.name for p in paths if not p.exists()]
         pytest.fail(f"no report {missing} after {timeout_s}s:\n{self.stall_report()}")
@@ -111,7 +109,14 @@ class Cluster:
         while not done():
             if time.monotonic() > deadline:
                 pytest.fail(f"{what}: not seen after {timeout_s}s:\n{self.stall_report()}")
+            self.fail_on_exited_worker()
             time.sleep(0.05)
+
+    def fail_on_exited_worker(self) -> None:
+        """Fail at once, with its log, if a worker exited on its own (a worker the test killed does not count)."""
+        for name, proc in self.procs.items():
+            if proc.poll() is not None and proc.returncode != -signal.SIGKILL:
+                pytest.fail(f"worker {name} exited with {proc.returncode}:\n{self.log_tail(name)}")
 
     def stall_report(self) -> str:
         """Every worker's log, after each live worker wrote the Python stack of all its threads into it
