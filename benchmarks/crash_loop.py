@@ -6,12 +6,12 @@ backend. This script runs all six as one pytest run per loop, never stopping at 
 
 - `OUT/loop-NNN.log` (the whole pytest output) and `OUT/loop-NNN.xml` (its JUnit report) of every loop that had
   a failure or an error, so each failure can be read afterwards;
-- `OUT/summary.json`: per (test, backend) the passes, failures and the loops that failed, each loop's wall time,
-  and the median and range of those times.
+- `OUT/summary.json`: per (test, backend) the passes, failures and the loops that did not pass, the median and
+  range of the loops' wall times, and the commits they ran on ("+dirty": with others' uncommitted changes).
 
 A loop runs under its own time limit (`--loop-timeout-s`); past it, pytest and every worker it started are killed
-as a process group, and its tests count as failed. `--until HH:MM` (UTC) starts no loop that would, at the median
-loop time so far, end after that time. Example, niced on a shared host:
+as a process group, and its tests that did not report count as "missing". `--until HH:MM` (UTC) starts no loop
+that would, at the median loop time so far, end after that time. Example, niced on a shared host:
 
     nice -n 10 python benchmarks/crash_loop.py --loops 50 --until 19:40 --out crash-loop
 """
@@ -29,7 +29,9 @@ import sys
 import time
 import xml.etree.ElementTree as ET
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 TEST_FILE = "tests/runtime/test_multiprocess.py"
@@ -63,10 +65,32 @@ def _selection(backends: list[str]) -> list[str]:
     return [f"{TEST_FILE}::{test}[{backend}]" for test in CRASH_TESTS.values() for backend in backends]
 
 
-def run_loop(args: argparse.Namespace, loop: int) -> tuple[dict[tuple[str, str], str], float, str]:
+def _commit() -> str:
+    """The commit the loop runs on, marked "+dirty" where the working tree has changes (others' work in progress)."""
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
+                           text=True).stdout  # fmt: skip
+    return head.strip() + ("+dirty" if dirty.strip() else "")
+
+
+@dataclass(frozen=True)
+class Loop:
     """One pytest run of the crash tests: the verdict per (test, backend) ("passed", "failed", "error", "skipped",
-    or "missing"), its wall time and its output."""
-    xml = args.out / f"loop-{loop:03d}.xml"
+    or "missing"), its wall time, the commit it ran on and its output."""
+
+    number: int
+    verdicts: dict[tuple[str, str], str]
+    wall_s: float
+    commit: str
+    output: str
+
+    def bad(self) -> dict[str, str]:
+        return {f"{name}[{backend}]": v for (name, backend), v in self.verdicts.items() if v != "passed"}
+
+
+def run_loop(args: argparse.Namespace, number: int) -> Loop:
+    commit = _commit()
+    xml = args.out / f"loop-{number:03d}.xml"
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:randomly", "-p", "no:cacheprovider",
                f"--junitxml={xml}", *_selection(args.backends)]  # fmt: skip
     started = time.monotonic()
@@ -77,12 +101,17 @@ def run_loop(args: argparse.Namespace, loop: int) -> tuple[dict[tuple[str, str],
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)  # pytest and the workers it started (its own session)
         output, _ = proc.communicate()
-        output += f"\n[crash_loop] loop {loop} killed after {args.loop_timeout_s}s\n"
+        output += f"\n[crash_loop] loop {number} killed after {args.loop_timeout_s}s\n"
     wall = time.monotonic() - started
     verdicts = {(name, backend): "missing" for name in CRASH_TESTS for backend in args.backends}
     if xml.exists():
         verdicts.update(_verdicts(xml))
-    return verdicts, wall, output
+    loop = Loop(number, verdicts, wall, commit, f"[crash_loop] loop {number} on {commit}\n{output}")
+    if loop.bad():
+        (args.out / f"loop-{number:03d}.log").write_text(loop.output)
+    else:
+        xml.unlink(missing_ok=True)
+    return loop
 
 
 def _verdicts(xml: Path) -> dict[tuple[str, str], str]:
@@ -103,47 +132,35 @@ def main() -> None:
     args.out = args.out.resolve()
     args.out.mkdir(parents=True, exist_ok=True)
     deadline = _deadline(args.until)
-    counts: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
-    failed_loops: dict[str, list[int]] = defaultdict(list)
-    walls: list[float] = []
-    for loop in range(1, args.loops + 1):
-        if deadline is not None and walls:
-            expected_end = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=statistics.median(walls))
-            if expected_end > deadline:
-                print(f"[crash_loop] stopping before loop {loop}: it would end after {args.until} UTC", flush=True)
+    loops: list[Loop] = []
+    for number in range(1, args.loops + 1):
+        if deadline is not None and loops:
+            median = statistics.median(loop.wall_s for loop in loops)
+            if dt.datetime.now(dt.UTC) + dt.timedelta(seconds=median) > deadline:
+                print(f"[crash_loop] stopping before loop {number}: it would end after {args.until} UTC", flush=True)
                 break
-        verdicts, wall, output = run_loop(args, loop)
-        walls.append(wall)
-        for (name, backend), verdict in verdicts.items():
-            key = f"{name}[{backend}]"
-            counts[key][verdict] += 1
-            if verdict != "passed":
-                failed_loops[key].append(loop)
-        if all(v == "passed" for v in verdicts.values()):
-            (args.out / f"loop-{loop:03d}.xml").unlink(missing_ok=True)
-        else:
-            (args.out / f"loop-{loop:03d}.log").write_text(output)
-        bad = {f"{n}[{b}]": v for (n, b), v in verdicts.items() if v != "passed"}
-        print(f"[crash_loop] loop {loop}: {wall:.0f}s {bad or 'all passed'}", flush=True)
-        _write_summary(args.out, counts, failed_loops, walls)
-    _write_summary(args.out, counts, failed_loops, walls, show=True)
+        loops.append(loop := run_loop(args, number))
+        print(f"[crash_loop] loop {number} on {loop.commit}: {loop.wall_s:.0f}s {loop.bad() or 'all passed'}",
+              flush=True)  # fmt: skip
+        (args.out / "summary.json").write_text(json.dumps(summary(loops), indent=1))
+    print(json.dumps(summary(loops), indent=1))
 
 
-def _write_summary(out: Path, counts: dict[str, dict[str, int]], failed_loops: dict[str, list[int]],
-                   walls: list[float], show: bool = False) -> None:  # fmt: skip
-    if not walls:
-        return
-    summary = {
-        "loops": len(walls),
-        "loop_wall_s": {"median": statistics.median(walls), "min": min(walls), "max": max(walls), "all": walls},
-        "tests": {
-            key: {**dict(by_verdict), "failed_loops": failed_loops.get(key, [])}
-            for key, by_verdict in sorted(counts.items())
-        },
+def summary(loops: list[Loop]) -> dict[str, Any]:
+    """Per (test, backend): how many loops gave each verdict and which loops did not pass; the loops' wall times."""
+    tests: dict[str, dict[str, Any]] = defaultdict(lambda: defaultdict(int))
+    for loop in loops:
+        for (name, backend), verdict in sorted(loop.verdicts.items()):
+            tests[f"{name}[{backend}]"][verdict] += 1
+    for key, by_verdict in tests.items():
+        by_verdict["not_passed_in_loops"] = [loop.number for loop in loops if key in loop.bad()]
+    walls = [loop.wall_s for loop in loops]
+    return {
+        "loops": len(loops),
+        "loop_wall_s": {"median": statistics.median(walls), "min": min(walls), "max": max(walls)} if walls else {},
+        "tests": {key: dict(by_verdict) for key, by_verdict in sorted(tests.items())},
+        "commits": sorted({loop.commit for loop in loops}),
     }
-    (out / "summary.json").write_text(json.dumps(summary, indent=1))
-    if show:
-        print(json.dumps(summary, indent=1))
 
 
 if __name__ == "__main__":
