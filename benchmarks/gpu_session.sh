@@ -3,8 +3,10 @@
 # per call, and `kvstage bench --backend cuda_ipc --device cuda`; each step's log goes to $OUT (default ./out).
 # Missing wheels (msgspec, pyzmq) are installed from .whl/ when it exists. Each step has its own time limit, so a
 # stuck step costs only its own share of the call. Usage: bash benchmarks/gpu_session.sh [STEP ...], in the order
-# given (default: tests gs_device gs_call bench; also gs_shapes, the other shapes in device time, and bench_c4,
-# the bench with 4 requests at once).
+# given (default: tests gs_device gs_call bench; also gs_shapes, the other shapes in device time, bench_c4, the
+# bench with 4 requests at once, nixl_tests and bench_nixl, the nixl backend on GPU memory (needs a NIXL wheel for
+# the host's CUDA in .whl/, nixl-cu13 on the lent H200s), and ncu_scatter, Nsight Compute on one launch each of a
+# copy kernel, the scatter and the gather: the report's raw metrics in $OUT/ncu_raw.csv, the key ones in the log).
 set -u -o pipefail
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -30,14 +32,17 @@ step() {  # step NAME SECONDS COMMAND...
 }
 
 GS="python3 benchmarks/gather_scatter.py --tokens 4096 16384"
-BENCH="python3 -m kvstage bench --backend cuda_ipc --device cuda --model llama3-8b --prefill-tp 4 --decode-tp 2 \
-    --tokens 4096 --page-size 16 --repeats 5 --json"
+BENCH_ARGS="--device cuda --model llama3-8b --prefill-tp 4 --decode-tp 2 --tokens 4096 --page-size 16 --repeats 5 --json"
+BENCH="python3 -m kvstage bench --backend cuda_ipc $BENCH_ARGS"
+NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
+NCU_RUN="$NCU --set full --clock-control none --profile-from-start off --kernel-name 'regex:_copy_kernel|_stream_copy'"
 STEPS=("$@")
 [ ${#STEPS[@]} -eq 0 ] && STEPS=(tests gs_device gs_call bench)
 for STEP in "${STEPS[@]}"; do
     case $STEP in
     tests) step tests 270 python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts="" --timeout 120 \
-        tests/transport/test_cuda_ipc.py tests/runtime/test_gpu_agents.py tests/dataplane/test_kernels_gpu.py \
+        tests/transport/test_cuda_ipc.py tests/transport/test_nixl_vram.py tests/runtime/test_gpu_agents.py \
+        tests/dataplane/test_kernels_gpu.py \
         tests/dataplane/test_dataplane_roundtrip.py tests/runtime/test_agents.py ;;
     gs_device) step gs_device 100 $GS --runs 7 --repeats 10 --batch 10 ;;
     gs_call) step gs_call 70 $GS --runs 7 --repeats 20 ;;
@@ -45,6 +50,12 @@ for STEP in "${STEPS[@]}"; do
         $GS --dtype float8_e4m3fn --runs 5 --repeats 10 --batch 10 && $GS --tp 16:2 --runs 5 --repeats 10 --batch 10" ;;
     bench) step bench 170 $BENCH ;;
     bench_c4) step bench_c4 170 $BENCH --concurrency 4 ;;
+    nixl_tests) step nixl_tests 120 python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts="" --timeout 60 -k nixl \
+        tests/transport/test_nixl_vram.py tests/runtime/test_gpu_agents.py ;;
+    bench_nixl) step bench_nixl 150 env UCX_TLS=cuda_ipc,cuda_copy,tcp python3 -m kvstage bench --backend nixl $BENCH_ARGS ;;
+    ncu_scatter) step ncu_scatter 150 bash -c "$NCU_RUN -f -o /tmp/scatter_vs_copy python3 benchmarks/ncu_scatter.py &&
+        $NCU --import /tmp/scatter_vs_copy.ncu-rep --page raw --csv > $OUT/ncu_raw.csv &&
+        python3 benchmarks/ncu_scatter.py --summarize $OUT/ncu_raw.csv" ;;
     *) echo "unknown step $STEP" ;;
     esac
 done

@@ -1,6 +1,6 @@
-"""Agents with their KV and their staging on a GPU, over the cuda_ipc backend: rooms hand off bit-exact, and ring
-space and a failed room's pages go back only once the scatters that read or wrote them have landed (their CUDA
-events), with no stream or device synchronize on the way."""
+"""Agents with their KV and their staging on a GPU, over the cuda_ipc backend (and nixl, VRAM through UCX): rooms
+hand off bit-exact, and ring space and a failed room's pages go back only once the scatters that read or wrote them
+have landed (their CUDA events), with no stream or device synchronize on the way."""
 
 from __future__ import annotations
 
@@ -11,11 +11,13 @@ import torch
 from agent_outcomes import wait_outcomes
 
 from kvstage.dataplane import KVPool
+from kvstage.errors import TransportUnavailable
 from kvstage.layout import KVLayout, heads_of_rank
 from kvstage.protocol import Timing
 from kvstage.runtime import AgentConfig, DecodeAgent, PrefillAgent, peer_id
 from kvstage.transport.bootstrap import BootstrapServer
 from kvstage.transport.data import TransportConfig
+from kvstage.transport.data.nixl import load_nixl
 
 pytestmark = [
     pytest.mark.gpu,
@@ -33,13 +35,15 @@ HOLD_CYCLES = 6_000_000_000
 def cluster():
     made: list[tuple[BootstrapServer, list]] = []
 
-    def make(prefill_tp: int, decode_tp: int) -> tuple[list[PrefillAgent], list[DecodeAgent]]:
+    def make(
+        prefill_tp: int, decode_tp: int, backend: str = "cuda_ipc"
+    ) -> tuple[list[PrefillAgent], list[DecodeAgent]]:
         bootstrap = BootstrapServer().start()
 
         def config(instance: str, tp: int, rank: int) -> AgentConfig:
             return AgentConfig(
                 instance=instance, rank=rank, tp_size=tp, layout=LAYOUT, bootstrap=bootstrap.address,
-                transport=TransportConfig(backend="cuda_ipc"), timing=TIMING, chunk_tokens=CHUNK,
+                transport=TransportConfig(backend=backend), timing=TIMING, chunk_tokens=CHUNK,
                 ring_bytes=RING, staging_bytes=RING,
             )  # fmt: skip
 
@@ -110,9 +114,16 @@ def _hold_stream(stream: torch.cuda.Stream) -> torch.cuda.Event:
     return released
 
 
-@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 1), (1, 2)])
-def test_kv_and_staging_on_the_gpu_hand_off_bit_exact_over_cuda_ipc(cluster, prefill_tp, decode_tp):
-    prefill, decode = cluster(prefill_tp, decode_tp)
+@pytest.mark.parametrize(
+    ("prefill_tp", "decode_tp", "backend"), [(2, 1, "cuda_ipc"), (1, 2, "cuda_ipc"), (2, 1, "nixl")]
+)
+def test_kv_and_staging_on_the_gpu_hand_off_bit_exact(cluster, prefill_tp, decode_tp, backend):
+    if backend == "nixl":
+        try:
+            load_nixl()
+        except TransportUnavailable as err:
+            pytest.skip(str(err))
+    prefill, decode = cluster(prefill_tp, decode_tp, backend)
     assert all(a.ring_region.tensor.is_cuda for a in decode) and all(a.staging_region.tensor.is_cuda for a in prefill)
     sides = {room: _start_room(prefill, decode, room, n) for room, n in ((1, 300), (2, 64), (3, 17))}
     for agent in decode + prefill:

@@ -30,9 +30,10 @@ IPC = TransportConfig(backend="cuda_ipc")
 NBYTES = 1 << 20
 
 
-def _reader_main(conn: Connection, nbytes: int) -> None:
-    """Child process: a cuda_ipc reader with one GPU region; answers "read" with its bytes until "exit"."""
-    transport = create_transport(TransportConfig(backend="cuda_ipc"))
+def _reader_main(conn: Connection, nbytes: int, backend: str) -> None:
+    """Child process: a reader (cuda_ipc, or another backend with GPU memory) with one GPU region; answers "read"
+    with its bytes until "exit"."""
+    transport = create_transport(TransportConfig(backend=backend))
     region = transport.allocate(nbytes, device="cuda")
     conn.send(encode_descriptor(transport.export(region)))
     while conn.recv() == "read":
@@ -41,10 +42,12 @@ def _reader_main(conn: Connection, nbytes: int) -> None:
 
 
 @contextmanager
-def reader_process(nbytes: int = NBYTES) -> Iterator[tuple[RegionDescriptor, Connection, mp.process.BaseProcess]]:
+def reader_process(
+    nbytes: int = NBYTES, backend: str = "cuda_ipc"
+) -> Iterator[tuple[RegionDescriptor, Connection, mp.process.BaseProcess]]:
     ctx = mp.get_context("spawn")
     conn, child = ctx.Pipe()
-    process = ctx.Process(target=_reader_main, args=(child, nbytes), daemon=True)
+    process = ctx.Process(target=_reader_main, args=(child, nbytes, backend), daemon=True)
     process.start()
     child.close()
     assert conn.poll(120), "reader process did not start"
@@ -58,9 +61,21 @@ def reader_process(nbytes: int = NBYTES) -> Iterator[tuple[RegionDescriptor, Con
             process.kill()
 
 
-def _read(conn: Connection) -> torch.Tensor:
+def read_back(conn: Connection) -> torch.Tensor:
     conn.send("read")
     return torch.frombuffer(bytearray(conn.recv()), dtype=torch.uint8)
+
+
+def slow_fill(tensor: torch.Tensor, value: int) -> torch.cuda.Event:
+    """A slow "gather": `tensor` filled with `value` on another stream after about 0.1 s of GPU sleep; the event
+    completes once it is."""
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(200_000_000)
+        tensor.fill_(value)
+        filled = torch.cuda.Event()
+        filled.record(side)
+    return filled
 
 
 @pytest.mark.gpu
@@ -79,7 +94,7 @@ def test_writes_from_another_process_land_bit_exact_in_gpu_memory() -> None:
         done = wait_for(writer, ids)
         assert all(c.ok for c in done.values()), done
         assert [done[i].ops for i in ids] == [len(slices), 1] and writer.ops_issued == len(slices) + 1
-        assert torch.equal(_read(conn), expected)
+        assert torch.equal(read_back(conn), expected)
 
 
 @pytest.mark.gpu
@@ -135,12 +150,7 @@ def test_a_write_starts_after_the_event_it_is_ordered_after_and_not_after_its_le
         remote = writer.import_remote(reader.export(region))
         source = torch.zeros(NBYTES, dtype=torch.uint8, device="cuda")
         src = writer.register(source)
-        side = torch.cuda.Stream()
-        with torch.cuda.stream(side):  # a slow "gather" fills the source on another stream
-            torch.cuda._sleep(200_000_000)
-            source.fill_(9)
-            gathered = torch.cuda.Event()
-            gathered.record(side)
+        gathered = slow_fill(source, 9)
         write = writer.write_batch(src, remote, [(0, 0, NBYTES)], gathered)
         assert wait_for(writer, [write])[write].ok
         assert gathered.query() and bool((region.tensor == 9).all())

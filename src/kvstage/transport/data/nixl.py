@@ -1,11 +1,24 @@
-"""The `nixl` data backend: NVIDIA NIXL (`nixl-cu12==1.5.1`) with its UCX plugin, on DRAM.
+"""The `nixl` data backend: NVIDIA NIXL 1.5.1 with its UCX plugin, on host memory (DRAM) and GPU memory (VRAM).
 
 Owns: one `nixl_agent` named after `TransportConfig.name`, the regions registered with it, the remote agents
 loaded from descriptors (reference-counted per owner), and the worker threads that post and wait for writes.
 
+Which NIXL. NIXL ships one wheel per CUDA major version, whose bundled UCX loads that CUDA's runtime for its CUDA
+transports: `nixl-cu12` (the `kvstage[nixl]` extra; also what a CPU-only host uses) and `nixl-cu13` (CUDA 13
+hosts). `load_nixl` imports the one that matches torch's CUDA (`torch.version.cuda`) first, else whichever is
+installed; a user picks by installing one (docs/gpu.md).
+
+GPU memory (`device_memory`). A region on a GPU (`allocate(device="cuda:N")`, or a registered GPU tensor) is
+registered as NIXL "VRAM" with its device index, and a write's transfer descriptors carry each side's memory type
+and device, so UCX picks its CUDA transports: cuda_ipc between processes of one host, GPUDirect RDMA across hosts
+(where UCX's InfiniBand modules are on, `nixl_rdma`). `staging_device` is therefore the KV's GPU: the agents' ring
+and staging slab live there. `write_batch(after=event)` has the write's worker wait for the event (the gather that
+filled the source) before it posts, since UCX copies on streams of its own.
+
 How it works. A descriptor carries the owner's agent metadata (taken after the region was registered, so it
-lists the region) and the region's base address; importing loads that metadata into our agent. A write builds
-local and remote transfer descriptor lists (one row per slice), creates a WRITE request and posts it. UCX
+lists the region), the region's base address, memory type and device; importing loads that metadata into our
+agent. A write builds local and remote transfer descriptor lists (one row per slice), creates a WRITE request and
+posts it. UCX
 carries out a same-host write inside the posting call itself (measured: `transfer()` of 64 MiB returns after
 15-30 ms, with the bytes copied), so writes are posted and waited for on worker threads (`_WORKERS`, at least one
 per UCX worker), never on the caller's thread, and `poll` only collects their completions.
@@ -26,7 +39,8 @@ also present (Debian's libibverbs1, which Mooncake needs), UCX's InfiniBand modu
 libnl-route and the process dies with SIGSEGV in libnl-route's destructor at exit. Unless
 `TransportConfig.nixl_rdma` is set, or the user has set `UCX_MODULES` themselves, the first NIXL transport of a
 process therefore sets `UCX_MODULES=^ib` (inherited by child processes) before UCX loads: UCX then uses its
-TCP, shared-memory and CMA transports, which is all a CPU loopback or TCP network can use anyway.
+TCP, shared-memory and CMA transports (and its CUDA ones, cuda_ipc and cuda_copy, for GPU memory), which is all one
+host or a TCP network can use anyway; GPUDirect RDMA across hosts needs `nixl_rdma`.
 
 Logging. NIXL's Python package logs at INFO to standard output (a line per agent and backend), which would mix
 with the caller's output; unless `NIXL_LOG_LEVEL` is set, kvstage lowers its "nixl" logger to WARNING.
@@ -68,6 +82,7 @@ from typing import Any
 
 import msgspec
 import numpy as np
+import torch
 
 from kvstage.errors import TransportError, TransportUnavailable
 from kvstage.transport.data.base import (
@@ -91,25 +106,57 @@ _WORKERS = 4
 _POLL_S = 0.0001
 #: UCX's RC retry count (its default), which kvstage sets next to `UCX_RC_TIMEOUT` so that their product is known.
 _RC_RETRIES = 7
+#: Why registering GPU memory usually fails: a NIXL build whose UCX cannot load this host's CUDA.
+_VRAM_HINT = (
+    " (UCX's CUDA transports need the NIXL build for this host's CUDA: nixl-cu12 for CUDA 12, nixl-cu13 for "
+    "CUDA 13; docs/gpu.md)"
+)
+
+
+#: NIXL's packages by the CUDA major version their UCX is built for; a host without CUDA takes the CUDA 12 one.
+_PACKAGES = {"13": "nixl_cu13", "12": "nixl_cu12"}
+#: Most GPUs a descriptor may name (a device index outside this is refused at import).
+_MAX_GPUS = 1024
 
 
 class _NixlRef(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """Payload of a nixl descriptor: the owner agent's metadata and the region's base address."""
+    """Payload of a nixl descriptor: the owner agent's metadata, the region's base address, its NIXL memory type
+    ("DRAM" or "VRAM") and device index (the GPU in the owner's process; 0 for DRAM)."""
 
     metadata: bytes
     address: int
+    memory: str
+    device: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Place:
+    """Where a region's bytes are, as NIXL names it: a memory type and a device index."""
+
+    memory: str
+    device: int
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> _Place:
+        if not tensor.is_cuda:
+            return cls("DRAM", 0)
+        return cls("VRAM", torch.cuda.current_device() if tensor.device.index is None else tensor.device.index)
 
 
 @dataclass(frozen=True, slots=True)
 class _Write:
-    """One write for a worker: `slices` from local memory at `src` to the memory of agent `owner` at `dst`."""
+    """One write for a worker: `slices` from local memory at `src` to the memory of agent `owner` at `dst`, each
+    where its `_Place` says, started once `after` (a CUDA event, or None) is done."""
 
     transfer_id: int
     owner: str
     src: int
     dst: int
+    src_place: _Place
+    dst_place: _Place
     slices: tuple[Slice, ...]
     bound: WriteBound
+    after: torch.cuda.Event | None
 
     @property
     def ops(self) -> int:
@@ -121,9 +168,11 @@ class _Write:
         local = np.zeros((len(slices), 3), dtype=np.uint64)
         local[:, 0] = slices[:, 0] + np.uint64(self.src)
         local[:, 1] = slices[:, 2]
+        local[:, 2] = self.src_place.device
         remote = np.zeros_like(local)
         remote[:, 0] = slices[:, 1] + np.uint64(self.dst)
         remote[:, 1] = slices[:, 2]
+        remote[:, 2] = self.dst_place.device
         return local, remote
 
 
@@ -131,6 +180,7 @@ class _Write:
 class _Nixl:
     """The pieces of the nixl package this backend uses."""
 
+    api: Any
     agent_class: Any
     config_class: Any
     strict_sync: Any
@@ -145,29 +195,44 @@ class _Nixl:
         return self.strict_sync if workers == 1 else self.rw_sync
 
 
+def _package_order() -> tuple[str, ...]:
+    """NIXL's packages, the one built for torch's CUDA first (CUDA 12's where torch has none)."""
+    first = _PACKAGES.get((torch.version.cuda or "12").split(".")[0], _PACKAGES["12"])
+    return (first, *(name for name in _PACKAGES.values() if name != first))
+
+
 def load_nixl() -> _Nixl:
-    """NIXL's agent classes and exception types, or `TransportUnavailable` naming the pip extra."""
-    try:
-        from nixl_cu12 import _bindings  # type: ignore[attr-defined]
-        from nixl_cu12._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
-    except ImportError as err:
+    """NIXL's agent classes and exception types, from the first of `_package_order` that imports, or
+    `TransportUnavailable` naming the pip extra."""
+    failures = []
+    for package in _package_order():
+        try:
+            api: Any = importlib.import_module(f"{package}._api")
+            bindings: Any = importlib.import_module(f"{package}._bindings")
+            break
+        except ImportError as err:
+            failures.append(f"{package}: {err}")
+    else:
         raise TransportUnavailable(
-            f"the nixl backend needs NIXL: pip install 'kvstage[nixl]' (nixl-cu12==1.5.1); import failed: {err}"
-        ) from err
+            "the nixl backend needs NIXL: pip install 'kvstage[nixl]' (nixl-cu12==1.5.1), or nixl-cu13==1.5.1 on a "
+            f"CUDA 13 host; import failed: {'; '.join(failures)}"
+        )
     if "NIXL_LOG_LEVEL" not in os.environ:  # NIXL logs every agent's start at INFO, to stdout
         logging.getLogger("nixl").setLevel(logging.WARNING)
     errors = tuple(
         value
-        for name, value in vars(_bindings).items()
+        for name, value in vars(bindings).items()
         if name.startswith("nixl") and isinstance(value, type) and issubclass(value, Exception)
     )
+    sync = api.nixl_thread_sync_t
     return _Nixl(
-        nixl_agent,
-        nixl_agent_config,
-        nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
-        nixl_thread_sync_t.NIXL_THREAD_SYNC_RW,
+        api,
+        api.nixl_agent,
+        api.nixl_agent_config,
+        sync.NIXL_THREAD_SYNC_STRICT,
+        sync.NIXL_THREAD_SYNC_RW,
         errors,
-        _bindings.nixlRemoteDisconnectError,
+        bindings.nixlRemoteDisconnectError,
     )
 
 
@@ -208,9 +273,9 @@ class _PacedBindings:
 
 
 @contextlib.contextmanager
-def _paced_progress_thread(delay_us: int) -> Iterator[None]:
-    """While constructing one `nixl_agent`, give its progress thread a delay of `delay_us` between polls."""
-    api: Any = importlib.import_module("nixl_cu12._api")
+def _paced_progress_thread(api: Any, delay_us: int) -> Iterator[None]:
+    """While constructing one `nixl_agent` of NIXL's `api` module, give its progress thread a delay of `delay_us`
+    between polls."""
     with _AGENT_CONSTRUCTION:
         bindings = api.nixlBind
         api.nixlBind = _PacedBindings(bindings, delay_us)
@@ -221,12 +286,13 @@ def _paced_progress_thread(delay_us: int) -> Iterator[None]:
 
 
 class NixlTransport(DataTransport):
-    """NIXL backend over UCX (or `TransportConfig.nixl_backend`), DRAM regions only."""
+    """NIXL backend over UCX (or `TransportConfig.nixl_backend`), regions in host (DRAM) or GPU (VRAM) memory."""
 
     backend = "nixl"
     #: UCX built with CUDA page-locks the host memory NIXL registers (seen on an H200 host: page-locking a NIXL
     #: region again fails with cudaErrorHostMemoryAlreadyRegistered).
     pins_for_cuda = True
+    device_memory = True
 
     def __init__(self, config: TransportConfig) -> None:
         nixl = load_nixl()
@@ -240,7 +306,7 @@ class NixlTransport(DataTransport):
         self._errors: tuple[type[Exception], ...] = (*nixl.errors, RuntimeError)  # RuntimeError: other C++ errors
         self._disconnected = nixl.disconnected
         try:
-            with _paced_progress_thread(config.nixl_progress_delay_us):
+            with _paced_progress_thread(nixl.api, config.nixl_progress_delay_us):
                 nixl_config = nixl.config_class(backends=[], sync_mode=nixl.sync_mode(config.nixl_workers))
                 self._agent = nixl.agent_class(config.name, nixl_config)
             if config.nixl_backend not in self._agent.plugin_list:
@@ -252,23 +318,36 @@ class NixlTransport(DataTransport):
             raise TransportError(
                 f"NIXL agent {config.name!r} failed to start with {config.nixl_backend}: {err}"
             ) from err
-        self._registrations: dict[int, Any] = {}
-        self._peers: dict[int, int] = {}
+        self._registrations: dict[int, Any] = {}  # by the region's address (registered regions never overlap)
+        self._peers: dict[int, _NixlRef] = {}
+        self._after: torch.cuda.Event | None = None
         self._owner_refs: dict[str, int] = {}
         self._writer: JobRunner[_Write] = JobRunner(
             f"kvstage-nixl-{config.name}", self._run, max(_WORKERS, config.nixl_workers), notify=self._completed
         )
 
+    def _allocate_device(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        tensor = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+        torch.cuda.current_stream(tensor.device).synchronize()  # at allocation only: peers write it through UCX
+        self._register_tensor(tensor)
+        return tensor
+
     def _register(self, region: LocalRegion) -> None:
+        self._register_tensor(region.tensor)
+
+    def _register_tensor(self, tensor: torch.Tensor) -> None:
+        place = _Place.of(tensor)
+        address, nbytes = int(tensor.data_ptr()), int(tensor.numel())
         try:
-            self._registrations[region.region_id] = self._agent.register_memory(
-                [(region.address, region.nbytes, 0, "")], "DRAM"
+            self._registrations[address] = self._agent.register_memory(
+                [(address, nbytes, place.device, "")], place.memory
             )
         except self._errors as err:
-            raise TransportError(f"NIXL could not register {region.nbytes} bytes: {err}") from err
+            hint = _VRAM_HINT if place.memory == "VRAM" else ""
+            raise TransportError(f"NIXL could not register {nbytes} bytes of {place.memory}: {err}{hint}") from err
 
     def _unregister(self, region: LocalRegion) -> None:
-        registration = self._registrations.pop(region.region_id, None)
+        registration = self._registrations.pop(region.address, None)
         if registration is None:
             return
         try:
@@ -277,13 +356,19 @@ class NixlTransport(DataTransport):
             log.warning("NIXL could not deregister region %d: %s", region.region_id, err)
 
     def _export_payload(self, region: LocalRegion) -> bytes:
-        return msgspec.msgpack.encode(_NixlRef(self._agent.get_agent_metadata(), region.address))
+        place = _Place.of(region.tensor)
+        ref = _NixlRef(self._agent.get_agent_metadata(), region.address, place.memory, place.device)
+        return msgspec.msgpack.encode(ref)
 
     def _import(self, descriptor: RegionDescriptor, remote: RemoteRegion) -> None:
         try:
             ref = msgspec.msgpack.decode(descriptor.payload, type=_NixlRef)
         except msgspec.DecodeError as err:
             raise TransportError(f"malformed nixl descriptor from {descriptor.owner!r}: {err}") from err
+        if ref.memory not in ("DRAM", "VRAM") or not 0 <= ref.device < _MAX_GPUS:
+            raise TransportError(
+                f"nixl descriptor from {descriptor.owner!r} names memory {ref.memory!r} on device {ref.device}"
+            )
         try:
             loaded = self._agent.add_remote_agent(ref.metadata)
         except self._errors as err:
@@ -291,7 +376,7 @@ class NixlTransport(DataTransport):
         name = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
         if name != descriptor.owner:
             raise TransportError(f"nixl descriptor from {descriptor.owner!r} carries metadata of agent {name!r}")
-        self._peers[remote.key] = ref.address
+        self._peers[remote.key] = ref
         self._owner_refs[name] = self._owner_refs.get(name, 0) + 1
 
     def _forget(self, remote: RemoteRegion) -> None:
@@ -307,15 +392,27 @@ class NixlTransport(DataTransport):
         except self._errors as err:
             log.warning("NIXL could not remove remote agent %r: %s", remote.owner, err)
 
+    def _order_after(self, event: torch.cuda.Event) -> None:
+        self._after = event  # `_submit`, next in the same locked call, hands it to the write's worker
+
     def _submit(
         self, transfer_id: int, src: LocalRegion, dst: RemoteRegion, slices: Sequence[Slice], bound: WriteBound
     ) -> str:
-        self._writer.submit(_Write(transfer_id, dst.owner, src.address, self._peers[dst.key], tuple(slices), bound))
+        after, self._after = self._after, None
+        peer = self._peers[dst.key]
+        where = _Place(peer.memory, peer.device)
+        write = _Write(
+            transfer_id, dst.owner, src.address, peer.address, _Place.of(src.tensor), where, tuple(slices), bound, after
+        )
+        self._writer.submit(write)
         return ""
 
     def _run(self, write: _Write) -> Completion:
-        """On a worker thread: post the write piece by piece as its bound allows, waiting for each."""
+        """On a worker thread: wait for the write's `after` event, then post it piece by piece as its bound allows,
+        waiting for each."""
         gone = False
+        if write.after is not None:
+            write.after.synchronize()
 
         def post(piece: tuple[Slice, ...]) -> str:
             nonlocal gone
@@ -333,8 +430,8 @@ class NixlTransport(DataTransport):
         handle = None
         try:
             local, remote = write.rows(piece)
-            local_descs = self._agent.get_xfer_descs(local, "DRAM")
-            remote_descs = self._agent.get_xfer_descs(remote, "DRAM")
+            local_descs = self._agent.get_xfer_descs(local, write.src_place.memory)
+            remote_descs = self._agent.get_xfer_descs(remote, write.dst_place.memory)
             handle = self._agent.initialize_xfer("WRITE", local_descs, remote_descs, write.owner)
             return self._wait(handle, self._agent.transfer(handle), write.owner), False
         except self._errors as err:
