@@ -106,6 +106,30 @@ def test_a_queued_write_whose_not_after_passes_before_a_worker_takes_it_up_moves
         assert peer.digest(0, REGION) == before, "not one byte of the expired write landed"
 
 
+@pytest.mark.parametrize("backend", ["local", "mooncake"])
+def test_a_queued_write_refused_after_its_peer_died_says_the_peer_is_gone_where_the_backend_can_tell(
+    backend: str,
+) -> None:
+    """Its room then fails as "peer dead", like any write to a dead peer. (NIXL has no way to ask without posting.)"""
+    if backend == "mooncake":
+        pytest.importorskip("mooncake.engine")
+    reader = ReaderPeer(config(backend), 4096)
+    with create_transport(config(backend)) as writer:
+        remote = writer.import_remote(reader.descriptor)
+        source = writer.register(torch.zeros(4096, dtype=torch.uint8))
+        stall = StalledWorkers(writer, WORKERS[backend])
+        stalls = [writer.write(source, 0, remote, 0, 4096) for _ in range(2 * WORKERS[backend])]
+        stall.wait_all_held()
+        queued = writer.write(source, 0, remote, 0, 4096, not_after=time.monotonic() + 0.2)
+        reader.kill()
+        time.sleep(0.3)
+        stall.release()
+        done = wait_for(writer, [*stalls, queued], timeout_s=30)[queued]
+
+    assert not done.ok and done.peer_gone, done
+    reader.stop()
+
+
 def test_a_write_within_its_not_after_lands_bit_exact(peer: ReaderPeer) -> None:
     with create_transport(config(peer.descriptor.backend, max_write_s=30.0)) as writer:
         source = writer.register(torch.randint(0, 256, (REGION,), dtype=torch.uint8))

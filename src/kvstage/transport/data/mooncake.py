@@ -17,7 +17,8 @@ is set, kvstage sets it to WARNING before the engine module loads (it is read th
 show. `GLOG_minloglevel` has no effect on this wheel.
 
 Bounded writes. A batch call is made only if the write's `not_after` has not passed when its worker is about to
-make it (`LEASE_EXPIRED` otherwise); with `TransportConfig.max_write_s`, the write goes in calls of at most
+make it (`LEASE_EXPIRED` otherwise, with `peer_gone` if the peer's handshake port refuses connections, as for
+a failed write); with `TransportConfig.max_write_s`, the write goes in calls of at most
 `PIECE_BYTES` and none is made once half of `max_write_s` has passed since the first. Once a call is made,
 kvstage cannot stop it: the binding gives up waiting after `MC_TRANSFER_TIMEOUT` (30 s by default, at least 5 s,
 plus a second per GiB) and frees the batch while its slices may still be moving (docs/transports.md).
@@ -41,6 +42,7 @@ from typing import Any
 import msgspec
 
 from kvstage.errors import TransportError, TransportUnavailable
+from kvstage.protocol.reasons import LEASE_EXPIRED
 from kvstage.transport.data.base import (
     Completion,
     DataTransport,
@@ -174,6 +176,8 @@ class MooncakeTransport(DataTransport):
             return f"mooncake write to {write.session} failed (code {rc}): {cause}"
 
         reason = write.bound.move(write.slices, call, _MAX_TASKS_PER_CALL)
+        if reason == LEASE_EXPIRED:  # nothing was posted; if the peer is gone too, that is what its room should say
+            gone = _peer_gone(write.session)
         if reason:
             log.warning("transfer %d: %s", write.transfer_id, reason)
         return Completion(write.transfer_id, not reason, reason, write.ops, peer_gone=gone)
