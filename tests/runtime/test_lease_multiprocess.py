@@ -48,8 +48,9 @@ def test_a_writer_cut_off_from_decode_never_lands_its_queued_write_after_decode_
         cut_phase = _phase(tmp_path, "p1", 0, 8, hold_after_first_chunk=True, marker=str(held), release=str(release),
                            cut=str(cut), unstall=str(unstall))  # fmt: skip
         cluster.spawn("p1", "prefill", 2, 1, 1, [cut_phase])
-        for rank in range(2):
-            cluster.spawn(f"q{rank}", "prefill", 2, rank, 1, [_phase(tmp_path, f"q{rank}", 100, Q_ROOMS)], instance="Q")
+        for rank in range(2):  # Q's rooms start once P/1 is cut off (their deadlines must not run out before)
+            q_phase = _phase(tmp_path, f"q{rank}", 100, Q_ROOMS, wait_for=str(cut))
+            cluster.spawn(f"q{rank}", "prefill", 2, rank, 1, [q_phase], instance="Q")
         _wait_registered(cluster, {"D/0", "P/0", "P/1", "Q/0", "Q/1"})
         cluster.wait_for(held.exists, "p1 holding its rooms after their first chunk")
         release.touch()
