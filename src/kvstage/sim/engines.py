@@ -397,7 +397,8 @@ class Engines(WorldCore):
         self.trace.record(self.queue.now, f"P{instance.index}", "RESTART", f"session {instance.session}")
         deferred, instance.deferred = instance.deferred, []
         for room in deferred:
-            self._attach_prefill(room)
+            if self.rooms[room].plan.deadline > self.queue.now:  # an expired request is dropped, never attached
+                self._attach_prefill(room)
 
     def _on_quarantine_restart(self, index: int) -> None:
         self.prefill[index].restart_armed = True

@@ -15,7 +15,9 @@ run, and the runner prints the seed, the invariant and the trace tail.
   who does not hold them.
 - D1: when a decode rank reports success, its KV pages for the room equal, bit for bit, what prefill computed
   for its heads (only with tensor payloads on).
-- L1: every room ends (Succeeded or Failed with a known reason) on every rank that saw it, by its deadline.
+- L1: every room ends (Succeeded or Failed with a known reason) on every rank that saw it, by its deadline
+  (a rank whose process is stalled, or a prefill rank draining a write, is excused until that ends: both are
+  bounded, by the pause and by max_write_s).
 - Q1: at the end, rings are empty, every page is back, nothing is parked, nothing is in flight, and every
   endpoint is quiescent with no open room.
 - B1: an endpoint only ever holds rooms the world created, and never more than that; hostile frames change
