@@ -4,9 +4,10 @@
 # Missing wheels (msgspec, pyzmq) are installed from .whl/ when it exists. Each step has its own time limit, so a
 # stuck step costs only its own share of the call. Usage: bash benchmarks/gpu_session.sh [STEP ...], in the order
 # given (default: tests gs_device gs_call bench; also gs_shapes, the other shapes in device time, bench_c4, the
-# bench with 4 requests at once, nixl_tests and bench_nixl, the nixl backend on GPU memory (needs a NIXL wheel for
-# the host's CUDA in .whl/, nixl-cu13 on the lent H200s), and ncu_scatter, Nsight Compute on one launch each of a
-# copy kernel, the scatter and the gather: the report's raw metrics in $OUT/ncu_raw.csv, the key ones in the log).
+# bench with 4 requests at once, nixl_tests and bench_nixl (bench_nixl_ucx_defaults: without UCX_TLS), the nixl
+# backend on GPU memory (needs a NIXL wheel for the host's CUDA in .whl/, nixl-cu13 on the lent H200s), and
+# ncu_scatter, Nsight Compute on one launch each of a copy kernel, the scatter and the gather: the report's raw
+# metrics in $OUT/ncu_raw.csv, the key ones in the log).
 set -u -o pipefail
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -53,6 +54,7 @@ for STEP in "${STEPS[@]}"; do
     nixl_tests) step nixl_tests 120 python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts="" --timeout 60 -k nixl \
         tests/transport/test_nixl_vram.py tests/runtime/test_gpu_agents.py ;;
     bench_nixl) step bench_nixl 150 env UCX_TLS=cuda_ipc,cuda_copy,tcp python3 -m kvstage bench --backend nixl $BENCH_ARGS ;;
+    bench_nixl_ucx_defaults) step bench_nixl_ucx_defaults 150 python3 -m kvstage bench --backend nixl $BENCH_ARGS ;;
     ncu_scatter) step ncu_scatter 150 bash -c "$NCU_RUN -f -o /tmp/scatter_vs_copy python3 benchmarks/ncu_scatter.py &&
         $NCU --import /tmp/scatter_vs_copy.ncu-rep --page raw --csv > $OUT/ncu_raw.csv &&
         python3 benchmarks/ncu_scatter.py --summarize $OUT/ncu_raw.csv" ;;

@@ -28,7 +28,11 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
     pytest.mark.skipif(bool(_nixl_missing()), reason=f"needs NIXL: {_nixl_missing()}"),
 ]
-NIXL = TransportConfig(backend="nixl", write_timeout_s=30.0)
+
+
+def _nixl() -> TransportConfig:
+    """A nixl config with a fresh agent name (NIXL refuses to load a peer of its own name)."""
+    return TransportConfig(backend="nixl", write_timeout_s=30.0)
 
 
 def _expected(source: torch.Tensor, slices: list[tuple[int, int, int]]) -> torch.Tensor:
@@ -42,7 +46,7 @@ def _expected(source: torch.Tensor, slices: list[tuple[int, int, int]]) -> torch
 def test_a_write_into_another_processs_gpu_region_lands_bit_exact(source_on: str) -> None:
     source = torch.randint(0, 256, (NBYTES,), dtype=torch.uint8, generator=torch.Generator().manual_seed(2))
     slices = [(0, 4096, 100), (1000, 200_000, 65_536), (300_000, 600_000, 333_333), (5, 0, 1), (0, NBYTES - 4096, 4096)]
-    with reader_process(backend="nixl") as (descriptor, conn, _), create_transport(NIXL) as writer:
+    with reader_process(backend="nixl") as (descriptor, conn, _), create_transport(_nixl()) as writer:
         assert writer.staging_device(torch.device("cuda", 0)) == torch.device("cuda", 0)
         src = writer.register(source.to(source_on))
         remote = writer.import_remote(descriptor)
@@ -54,7 +58,7 @@ def test_a_write_into_another_processs_gpu_region_lands_bit_exact(source_on: str
 
 
 def test_a_gpu_write_starts_after_its_event_and_outside_the_region_fails_before_any_byte_moves() -> None:
-    with create_transport(NIXL) as reader, create_transport(NIXL) as writer:
+    with create_transport(_nixl()) as reader, create_transport(_nixl()) as writer:
         region = reader.allocate(NBYTES, device="cuda")
         assert region.tensor.is_cuda
         remote = writer.import_remote(reader.export(region))

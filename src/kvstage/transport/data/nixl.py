@@ -365,6 +365,8 @@ class NixlTransport(DataTransport):
             ref = msgspec.msgpack.decode(descriptor.payload, type=_NixlRef)
         except msgspec.DecodeError as err:
             raise TransportError(f"malformed nixl descriptor from {descriptor.owner!r}: {err}") from err
+        if descriptor.owner == self.name:
+            raise TransportError(f"nixl descriptor from {descriptor.owner!r} names this agent (names must be unique)")
         if ref.memory not in ("DRAM", "VRAM") or not 0 <= ref.device < _MAX_GPUS:
             raise TransportError(
                 f"nixl descriptor from {descriptor.owner!r} names memory {ref.memory!r} on device {ref.device}"
