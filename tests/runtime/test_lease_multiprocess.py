@@ -40,7 +40,7 @@ def test_a_writer_cut_off_from_decode_never_lands_its_queued_write_after_decode_
     cluster = _cut_writer_cluster(tmp_path, backend)
     try:
         cluster.spawn("d0", "decode", 1, 0, 2, [
-            {"first_room": 0, "rooms": 8},  # P's rooms: mid-transfer ones fail when P/1 is declared dead
+            _phase(tmp_path, "d0-cut", 0, 8),  # P's rooms: mid-transfer ones fail when P/1 is declared dead
             _phase(tmp_path, "d0-reused", 100, Q_ROOMS, peer_instance="Q"),  # Q's rooms reuse the ring
             _phase(tmp_path, "d0-final", 200, 0, wait_for=str(final)),  # the ring again, after P/1's late write
         ])  # fmt: skip
@@ -56,6 +56,7 @@ def test_a_writer_cut_off_from_decode_never_lands_its_queued_write_after_decode_
         release.touch()
         cluster.wait_for(cut.exists, "p1 cut off from decode with a write waiting in its stalled transport")
         reused = cluster.wait_reports([tmp_path / n for n in ("d0-reused.report", "q0.report", "q1.report")], 120)
+        [declared] = cluster.wait_reports([tmp_path / "d0-cut.report"], 10)
         unstalled_at = time.time()
         unstall.touch()
         [cut_writer] = cluster.wait_reports([tmp_path / "p1.report"], 60)
@@ -64,6 +65,8 @@ def test_a_writer_cut_off_from_decode_never_lands_its_queued_write_after_decode_
     finally:
         cluster.close()
 
+    failed = [r["reason"] for r in declared["rooms"].values() if not r["ok"]]
+    assert failed and set(failed) == {"peer dead"}, "decode declared the cut writer dead and failed its rooms"
     for report in reused:
         assert len(report["rooms"]) == Q_ROOMS and all(r["ok"] for r in report["rooms"].values()), report["rooms"]
     assert _check_bit_exact(reused[:1], reused[1:], 1) == Q_ROOMS, "every room that reused the ring is bit-exact"
