@@ -136,7 +136,9 @@ def bench(
     concurrency: int = typer.Option(1, "--concurrency", min=1, help="Requests in flight at once."),
     repeats: int = typer.Option(3, "--repeats", min=1, help="Timed rounds per path (best is reported)."),
     device: str = typer.Option(
-        "cpu", "--device", help="Where the KV pools live: cpu, or cuda (staging on the GPU with cuda_ipc, else host)."
+        "cpu",
+        "--device",
+        help="Where the KV pools live: cpu, or cuda (staging on the GPU with cuda_ipc, nixl; else host).",
     ),
     ring_chunks: int = typer.Option(
         4, "--ring-chunks", min=1, help="Chunk regions per decode ring (and chunks per prefill staging slab)."

@@ -46,7 +46,7 @@ MODEL_PRESETS: dict[str, ModelShape] = {
 _SHAPE_RE = re.compile(r"L(?P<layers>\d+)xH(?P<heads>\d+)xD(?P<dim>\d+)(?::(?P<dtype>\w+))?")
 
 #: Where the ranks' KV pools live. With "cuda" the rings and staging live where the backend's `staging_device` says:
-#: on each rank's GPU with cuda_ipc, else in host memory (what the other transports move), so the staged path's
+#: on each rank's GPU with cuda_ipc and nixl, else in host memory (what the other transports move), so the staged path's
 #: gather/scatter cross between the GPU pool and host staging.
 DEVICES = ("cpu", "cuda")
 #: Slack per region for the ring's alignment padding.

@@ -5,8 +5,8 @@ the whole run; each request slot uses a seeded random permutation of pages, so c
 pool), the rank's runtime agent (the staged path), and what the two baselines need:
 
 - decode: `target`, a region laid out exactly like its KV pool, allocated from the agent's transport (on the
-  rank's GPU where the backend moves GPU memory, cuda_ipc), which the per-slice writes and the raw bulk writes land
-  in (byte offsets from `PoolGeometry`, so a slice lands where it would in a real pool);
+  rank's GPU where the backend moves GPU memory, cuda_ipc and nixl), which the per-slice writes and the raw bulk
+  writes land in (byte offsets from `PoolGeometry`, so a slice lands where it would in a real pool);
 - prefill: a second transport of the same backend (the agent polls its own) with the KV pool registered as a source
   (a host copy of a GPU pool, unless the backend moves GPU memory); per request slot, the per-slice descriptors of
   every head transfer it owns (`plan_direct_slices`, one contiguous write per row where a slice is strided, because

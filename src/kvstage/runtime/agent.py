@@ -289,8 +289,8 @@ class BaseAgent(ABC):
 
     def _host_region(self, nbytes: int) -> LocalRegion:
         """Transport memory for staging (prefill) or the ring (decode), where `staging_device` says: on the KV's GPU
-        when the backend moves GPU memory (cuda_ipc), else on the host, page-locked when the KV is on a GPU, so the
-        copies between it and the KV run at DMA speed (see `DataTransport.allocate`)."""
+        when the backend moves GPU memory (cuda_ipc, nixl), else on the host, page-locked when the KV is on a GPU, so
+        the copies between it and the KV run at DMA speed (see `DataTransport.allocate`)."""
         device = self.transport.staging_device(self.pool.device)
         return self.transport.allocate(nbytes, pinned=self.pool.device.type == "cuda", device=device)
 

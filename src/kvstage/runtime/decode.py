@@ -7,7 +7,7 @@ is staged, matched TP too: `DecodeConfig.staged_only`), each open room's decode 
 up once, at `expect_room`; every scatter of the room takes a view), scatters in flight per room, and the pairing of
 RoomFailed with FreePages so a failed room's outcome reaches the engine only when its pages are truly free.
 
-Where the KV is on a GPU and the backend moves GPU memory (cuda_ipc), the ring lives on that GPU
+Where the KV is on a GPU and the backend moves GPU memory (cuda_ipc, nixl), the ring lives on that GPU
 (`DataTransport.staging_device`); otherwise in host memory.
 
 Event-fenced release: a scatter is queued on the copy thread's stream and its `CopyFence` (one CUDA event per chunk)

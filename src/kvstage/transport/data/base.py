@@ -45,7 +45,7 @@ Invariants:
   `write_batch`. The bench reports it as "transfer operations per request";
 - a descriptor decoded from the wire is bounded (`MAX_DESCRIPTOR_PAYLOAD`) before anything is allocated for it;
 - registered regions of one transport must not overlap (Mooncake refuses overlapping registrations);
-- GPU memory: only a backend with `device_memory` (cuda_ipc) allocates or registers it; `staging_device` is the
+- GPU memory: only a backend with `device_memory` (cuda_ipc, nixl) allocates or registers it; `staging_device` is the
   KV's GPU for such a backend and the host otherwise, so the agents' staging falls back to host memory;
 - `write_batch(..., after=event)`: the writes start only after that CUDA event (the gather that filled the
   source); a backend that copies on a stream orders its stream after it, any other waits for it first.
