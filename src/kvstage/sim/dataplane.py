@@ -82,20 +82,7 @@ class DataPlane(WorldCore):
             self._complete(node, node.session, Completion(action.token, False, "no such decode peer"), self.queue.now)
             return
         payload = self._gather(node, action) if self.payloads else None
-        nbytes = action.block.nbytes if isinstance(action, WriteRegion) else action.num_tokens
-        delay = WRITE_S + nbytes * WRITE_PER_BYTE_S + self.network.delay()
-        if self.profile.slow_writes and self.rng.random() < self.profile.slow_writes:
-            delay += self.rng.uniform(0.01, 0.06)
-        if self.profile.stalled_writes and self.rng.random() < self.profile.stalled_writes:
-            delay += self.rng.uniform(0.1, 1.5) * self.max_write_s
-        writer = self.prefill[node.instance]
-        if (
-            writer.restart_armed
-            or node.resumed_at == self.queue.now
-            or self.network.control_cut_off(node.peer_id, self.queue.now)
-        ):
-            # a writer in trouble: about to crash, just back from a stall, or cut off on the control plane
-            delay = max(delay, self.rng.uniform(0.5, 1.0) * self.max_write_s)
+        delay = self._write_delay(node, action)
         if self.network.cut(node.peer_id, target.peer_id, self.queue.now, data=True):
             self._complete(node, node.session, Completion(action.token, False, "partitioned"), self.queue.now + delay)
             return
@@ -108,11 +95,27 @@ class DataPlane(WorldCore):
         self._tokens += 1
         self.writes[self._tokens] = InflightWrite(node, node.session, action, payload, ok)
         self.queue.push(self.queue.now + delay, EventKind.LAND, self._tokens)
-        decode = self.decode[target.instance]
+        decode, writer = self.decode[target.instance], self.prefill[node.instance]
         if decode.crash_armed:
             self._crash_decode(decode)
         if writer.restart_armed:
             self._restart_writer(writer)
+
+    def _write_delay(self, node: Node, action: WriteRegion | WriteDirect) -> float:
+        """How long a write posted now takes to land: 1 ms, its bytes and the network delay, plus the faults' share
+        (slow, stalled), at least 0.5-1 x max_write_s for a writer in trouble (about to crash, just back from a
+        stall, or cut off on the control plane)."""
+        nbytes = action.block.nbytes if isinstance(action, WriteRegion) else action.num_tokens
+        delay = WRITE_S + nbytes * WRITE_PER_BYTE_S + self.network.delay()
+        if self.profile.slow_writes and self.rng.random() < self.profile.slow_writes:
+            delay += self.rng.uniform(0.01, 0.06)
+        if self.profile.stalled_writes and self.rng.random() < self.profile.stalled_writes:
+            delay += self.rng.uniform(0.1, 1.5) * self.max_write_s
+        now = self.queue.now
+        troubled = self.prefill[node.instance].restart_armed or node.resumed_at == now
+        if troubled or self.network.control_cut_off(node.peer_id, now):
+            delay = max(delay, self.rng.uniform(0.5, 1.0) * self.max_write_s)
+        return delay
 
     def _gather(self, node: Node, action: WriteRegion | WriteDirect) -> bytes | Words:
         assert node.kv is not None
