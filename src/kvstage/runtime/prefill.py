@@ -13,7 +13,8 @@ Invariants: a gather starts only once its staging slot no longer overlaps a writ
 only into memory of the decode session that granted it (`dst_session`), never into the ring or pool of a
 restarted incarnation (a grant from a newer session waits, bounded by the liveness timeout, for that session's
 record); a write is posted only while this writer's lease towards its decode peer holds (R13, re-checked at the
-moment of posting; a write waits for a lapsed lease, and fails if the peer is fenced); every write ends in exactly
+moment of posting; a write waits for a lapsed lease, as does one its transport refused for one before any
+byte moved, and fails if the peer is fenced); every write ends in exactly
 one Completion, queued ones included (a completion frees its peer's window for the next); a room's slots are kept
 only while the endpoint holds the room ACTIVE and dropped with its outcome, and a gather uses them only for the very
 pages its write names. Called by prefill engines through `kvstage.runtime`.
@@ -123,7 +124,7 @@ class PrefillAgent(BaseAgent):
         self._pools: dict[str, tuple[int, RemoteRegion, PoolGeometry]] = {}
         self._slab = StagingRing(config.staging_bytes, 64)
         self._waiting: deque[_Write] = deque()
-        self._in_flight: dict[int, _Write] = {}
+        self._in_flight: dict[int, _Ready] = {}  # transfer id -> the write posted under it
         self._gathering: dict[int, _Write] = {}  # action token -> staged write whose gather is running
         self._unresolved: list[tuple[float, WriteRegion | WriteDirect]] = []  # waiting for a newer decode record
         self._queued: dict[str, deque[_Ready]] = {}  # decode peer -> ready writes waiting for its window
@@ -364,6 +365,11 @@ class PrefillAgent(BaseAgent):
         self._queued.setdefault(peer, deque()).append((write, runs, source))
         self._submit_queued(peer)
 
+    def _still_target(self, write: _Write) -> bool:
+        """Whether `write`'s target memory is still its decode peer's (not fenced or replaced since it was posted)."""
+        target = self._target(write.action)
+        return target is not None and target[1] is write.remote
+
     def _end_unposted(self, write: _Write, reason: str) -> None:
         """A queued write will never be posted: free its staging slot and fail it."""
         if write.slot is not None:
@@ -371,13 +377,17 @@ class PrefillAgent(BaseAgent):
         self._complete(write.action.token, False, reason)
 
     def _in_flight_to(self, peer: str) -> int:
-        return sum(1 for write in self._in_flight.values() if write.action.peer == peer)
+        return sum(1 for write, _, _ in self._in_flight.values() if write.action.peer == peer)
 
     def _submit(self, write: _Write, runs: list[tuple[int, int, int]], source: LocalRegion) -> None:
         write.started = time.perf_counter()
         self.metrics.transfer_started()
         lease = self.endpoint.lease_until(write.action.peer)  # checked again right before the bytes move
-        self._in_flight[self.transport.write_batch(source, write.remote, runs, write.after, not_after=lease)] = write
+        self._in_flight[self.transport.write_batch(source, write.remote, runs, write.after, not_after=lease)] = (
+            write,
+            runs,
+            source,
+        )
 
     def _submit_queued(self, peer: str) -> None:
         """Post `peer`'s queued writes in order while its window has room and this writer's lease towards it holds.
@@ -396,14 +406,20 @@ class PrefillAgent(BaseAgent):
     def _poll_transport(self) -> None:
         for done in self.transport.poll():
             self._progressed()
-            write = self._in_flight.pop(done.transfer_id, None)
-            if write is None:
+            ready = self._in_flight.pop(done.transfer_id, None)
+            if ready is None:
                 log.error("%s: completion for unknown transfer %d", self.peer_id, done.transfer_id)
+                continue
+            write = ready[0]
+            self.metrics.transfer_finished(write.nbytes, time.perf_counter() - write.started, done.ops, done.ok)
+            if not done.ok and done.reason == LEASE_EXPIRED and not done.peer_gone and self._still_target(write):
+                # refused before any byte moved (the lease lapsed between posting and its first byte): it waits at
+                # the head of its peer's queue for the lease to be renewed, or fails when the peer is fenced
+                self._queued.setdefault(write.action.peer, deque()).appendleft(ready)
                 continue
             if write.slot is not None:
                 self._slab.free(write.slot)
-            self.metrics.transfer_finished(write.nbytes, time.perf_counter() - write.started, done.ops, done.ok)
-            reason = "" if done.ok else _write_failure(done.reason)
+            reason = "" if done.ok else f"transfer failed: {done.reason}"
             self._complete(write.action.token, done.ok, reason, done.peer_gone)
             self._submit_queued(write.action.peer)
 
@@ -432,9 +448,3 @@ class PrefillAgent(BaseAgent):
             pending_sends=base.pending_sends,
             stats=stats,
         )
-
-
-def _write_failure(reason: str) -> str:
-    """The Completion reason of a failed write: "lease expired" as it is (the endpoint fails the room with it: the
-    write was refused before any byte moved), anything else as a transfer failure."""
-    return reason if reason == LEASE_EXPIRED else f"transfer failed: {reason}"
