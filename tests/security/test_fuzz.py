@@ -5,7 +5,8 @@ and sizes, wrong epochs and versions, unknown rooms, forged senders), and mutati
 extended, bytes flipped, replayed, signed with the wrong key). Properties: the codec raises nothing but
 `ProtocolError`; `FrameAuth.open` refuses every frame it did not seal unchanged; an endpoint fed any of them
 raises nothing, tracks at most `Limits.max_peers` peers and never holds a room its engine did not open.
-Together the tests run 12,000 examples (CI keeps them under a minute); `KVSTAGE_FUZZ_EXAMPLES` scales each.
+Together the tests run 12,000 examples (CI keeps them under a minute); `KVSTAGE_FUZZ_EXAMPLES` scales each (a long
+run needs pytest's `--timeout=0`: the suite stops any test after 300 s).
 """
 
 from __future__ import annotations
