@@ -13,6 +13,8 @@ def test_default_faults_keep_every_invariant_over_300_seeds(run_clean: RunClean)
     # the faults are real: some rooms fail, each for a stated reason, and most still succeed
     assert summary.failed_by_reason["aborted by decode"] > 0
     assert summary.failed_by_reason["transfer failed"] > 0
+    assert summary.failed_by_reason["decode crashed"] > 0  # a decode instance crashed with writes in flight
+    assert summary.failed_by_reason["lease expired"] > 0  # a stalled writer's queued write was never posted
     assert "unfinished" not in summary.failed_by_reason
     assert summary.succeeded > 0.6 * summary.rooms
 
