@@ -267,7 +267,10 @@ class PrefillRank(_Rank):
 
     def __init__(self, config: BenchConfig, rank: int, bootstrap: str, decode_info: list[dict[str, Any]]) -> None:
         super().__init__(config, rank, bootstrap)
-        self.baseline: DataTransport = create_transport(TransportConfig(backend=config.backend))
+        # bounded like the agents' transports (AgentConfig.bounded_transport), so raw and per-slice pay the same
+        # write pieces as the staged path
+        bounded = TransportConfig(backend=config.backend, max_write_s=BENCH_TIMING.max_write_s)
+        self.baseline: DataTransport = create_transport(bounded)
         self.digests = [self._fill(slot) for slot in range(config.concurrency)]
         # the baselines' source: the pool itself (host, or GPU where the backend moves GPU memory), or a host copy
         # of a GPU pool (same bytes, same offsets)
