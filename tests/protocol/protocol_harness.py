@@ -197,6 +197,23 @@ def make_pump(
     return Pump(endpoints)
 
 
+def decode(pump: Pump, name: str = "d0") -> DecodeEndpoint:
+    ep = pump.endpoints[name]
+    assert isinstance(ep, DecodeEndpoint)
+    return ep
+
+
+def prefill(pump: Pump, name: str = "p0") -> PrefillEndpoint:
+    ep = pump.endpoints[name]
+    assert isinstance(ep, PrefillEndpoint)
+    return ep
+
+
+def writes_of(name: str):
+    """A `Pump.hold` filter: hold every write of endpoint `name`."""
+    return lambda src, a: src == name and isinstance(a, WriteRegion | WriteDirect)
+
+
 def prefill_name(instance: int, rank: int) -> str:
     return f"p{rank}" if instance == 0 else f"p{instance}.{rank}"
 

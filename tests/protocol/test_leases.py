@@ -17,10 +17,13 @@ from protocol_harness import (
     all_quiescent,
     attach,
     compute,
+    decode,
     expect,
     full_room,
     layout,
     make_pump,
+    prefill,
+    writes_of,
 )
 
 from kvstage.errors import ConfigError, ProtocolError
@@ -28,7 +31,6 @@ from kvstage.protocol import (
     AbortRoom,
     Codec,
     ComputeScheduled,
-    DecodeEndpoint,
     KVReady,
     PrefillConfig,
     PrefillEndpoint,
@@ -38,22 +40,6 @@ from kvstage.protocol import (
     reasons,
 )
 from kvstage.protocol.messages import PROTOCOL_VERSION, Envelope, Heartbeat
-
-
-def decode(pump: Pump) -> DecodeEndpoint:
-    endpoint = pump.endpoints["d0"]
-    assert isinstance(endpoint, DecodeEndpoint)
-    return endpoint
-
-
-def prefill(pump: Pump, name: str = "p0") -> PrefillEndpoint:
-    endpoint = pump.endpoints[name]
-    assert isinstance(endpoint, PrefillEndpoint)
-    return endpoint
-
-
-def hold_writes_of(name: str):
-    return lambda src, action: src == name and isinstance(action, WriteRegion)
 
 
 def restart(pump: Pump, name: str, session: int) -> None:
@@ -164,7 +150,7 @@ def test_a_writer_declared_dead_has_no_lease_left_when_decode_reuses_its_space()
 # ---- decode's quarantine of a restarted writer ------------------------------------------------------------------
 def test_a_restarted_writers_ring_space_stays_quarantined_until_its_old_writes_cannot_land() -> None:
     pump = make_pump()
-    pump.hold = hold_writes_of("p0")
+    pump.hold = writes_of("p0")
     full_room(pump, 1, 8)
     restart(pump, "p0", session=2)
     pump.hold = None
@@ -183,7 +169,7 @@ def test_a_restarted_writers_ring_space_stays_quarantined_until_its_old_writes_c
 
 def test_an_abort_ack_from_a_restarted_writer_does_not_vouch_for_its_old_writes() -> None:
     pump = make_pump()
-    pump.hold = hold_writes_of("p0")
+    pump.hold = writes_of("p0")
     expect(pump, 1, 16)
     attach(pump, 1, 16)
     compute(pump, 1, 16)

@@ -12,14 +12,17 @@ from protocol_harness import (
     all_quiescent,
     attach,
     compute,
+    decode,
     expect,
     full_room,
     inject,
     layout,
     make_pump,
     metadata,
+    prefill,
     sends_from,
     sent,
+    writes_of,
 )
 
 from kvstage.errors import ConfigError
@@ -57,22 +60,6 @@ from kvstage.protocol.messages import (
 )
 
 CHUNK_BYTES = 4096  # H=8, 2 layers, head_dim 8, bf16, 8 tokens, all heads on d0
-
-
-def decode(pump: Pump, name: str = "d0") -> DecodeEndpoint:
-    ep = pump.endpoints[name]
-    assert isinstance(ep, DecodeEndpoint)
-    return ep
-
-
-def prefill(pump: Pump, name: str = "p0") -> PrefillEndpoint:
-    ep = pump.endpoints[name]
-    assert isinstance(ep, PrefillEndpoint)
-    return ep
-
-
-def writes_of(name: str):
-    return lambda src, a: src == name and isinstance(a, WriteRegion | WriteDirect)
 
 
 # ---- R1 release on every terminal path ---------------------------------------------------------------------------

@@ -52,7 +52,7 @@ from kvstage.transport.data.base import (
     TransportConfig,
     WriteBound,
 )
-from kvstage.transport.data.local import _pid_alive
+from kvstage.transport.data.local import pid_alive
 
 log = logging.getLogger(__name__)
 
@@ -299,7 +299,7 @@ class CudaIpcTransport(DataTransport):
     ) -> str:
         after, self._after = self._after, None
         target = self._targets[dst.key]
-        if not _pid_alive(target.pid):
+        if not pid_alive(target.pid):
             reason = f"peer dead: owner process {target.pid} of region {dst.region_id} of {dst.owner!r} has exited"
             self._failed.append(Completion(transfer_id, False, reason, len(slices), peer_gone=True))
             self._completed()

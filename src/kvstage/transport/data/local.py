@@ -194,7 +194,7 @@ def _copy(job: _Job, piece: tuple[Slice, ...]) -> str:
 
 def _peer_gone(segment: _Segment) -> str:
     """Reason the segment's owner can no longer receive writes (dead or released), or ""."""
-    if not _pid_alive(segment.pid):
+    if not pid_alive(segment.pid):
         return f"peer dead: owner process {segment.pid} of segment {segment.path.name} has exited"
     try:
         released = os.stat(segment.path).st_ino != segment.inode
@@ -203,7 +203,7 @@ def _peer_gone(segment: _Segment) -> str:
     return f"peer closed: segment {segment.path.name} was released by its owner" if released else ""
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     """Whether `pid` runs; a zombie (killed, not yet reaped by its parent) counts as dead."""
     try:
         os.kill(pid, 0)
@@ -238,7 +238,7 @@ def _sweep_dead_segments(directory: Path) -> None:
     uid = os.getuid()
     for path in directory.glob("kvstage-*"):
         match = _SEGMENT_RE.fullmatch(path.name)
-        if match is None or _pid_alive(int(match.group(1))):
+        if match is None or pid_alive(int(match.group(1))):
             continue
         try:
             if path.stat().st_uid == uid:
