@@ -28,6 +28,9 @@ from kvstage.transport.control import ChannelConfig
 Outcome = RoomOutcome
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=4, head_dim=16, dtype="float16", page_size=4)
 TIMING = Timing(heartbeat_s=0.1, dead_after_s=1.0, retry_initial_s=0.02, retry_max_s=0.2)
+# For tests whose room is expected before its writer is up: decode counts the writer as heard at `expect`, so a
+# loaded machine must not turn a slow start into "peer dead" (found in CI: a 1 s bound was too tight).
+PATIENT = Timing(heartbeat_s=0.1, dead_after_s=10.0, retry_initial_s=0.02, retry_max_s=0.2)
 CHUNK = 8
 PREFILL_TP = 2
 ROOM_TOKENS = 24
@@ -35,8 +38,9 @@ ROOM_TOKENS = 24
 
 @dataclass(frozen=True)
 class Caps:
-    """Per-peer caps of the decode agent (the defaults unless a test lowers them)."""
+    """Per-peer caps of the decode agent (the defaults unless a test lowers them), and every agent's timing."""
 
+    timing: Timing = TIMING
     limits: Limits = field(default_factory=Limits)
     park: ParkLimits = field(default_factory=ParkLimits)
     channel: ChannelConfig = field(default_factory=lambda: ChannelConfig(max_frame_bytes=DEFAULT_MAX_FRAME_BYTES))
@@ -51,7 +55,7 @@ def config(
         tp_size=tp,
         layout=LAYOUT,
         bootstrap=bootstrap,
-        timing=TIMING,
+        timing=caps.timing,
         limits=caps.limits,
         park=caps.park,
         channel=caps.channel,

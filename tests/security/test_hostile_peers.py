@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import msgspec
 import pytest
-from deployment import Caps, Deployment, Stranger, prefill_instance, start_room, wait_outcomes
+from deployment import PATIENT, Caps, Deployment, Stranger, prefill_instance, start_room, wait_outcomes
 
 from kvstage.protocol import Limits
 from kvstage.protocol.messages import PROTOCOL_VERSION, Abort, Heartbeat, StagingRequest
@@ -44,7 +44,7 @@ def _serve_room(deployment: Deployment, room: int, instance: str) -> None:
 
 
 def test_a_stranger_naming_an_open_room_in_a_thousand_aborts_never_fails_that_room() -> None:
-    deployment = Deployment()
+    deployment = Deployment(Caps(timing=PATIENT))
     stranger = Stranger(deployment.decode.channel.address)
     try:
         deployment.expect(7, "P")  # room 7 is open; its prefill instance is not up yet
@@ -113,7 +113,7 @@ def test_chunk_indices_beyond_the_room_or_the_wire_bound_grow_nothing_and_leave_
     """sglang #39764: one unchecked chunk index from the wire grew a list without bound. Here an index past the
     wire bound is refused by the codec, one within it but past the room's chunks by the endpoint, and the room
     (whose writer the sender claims to be) goes on to succeed."""
-    deployment = Deployment()
+    deployment = Deployment(Caps(timing=PATIENT))
     writer = Stranger(deployment.decode.channel.address)
     try:
         deployment.expect(5, "P")
