@@ -7,7 +7,8 @@
 # bench with 4 requests at once, nixl_tests and bench_nixl (bench_nixl_ucx_defaults: without UCX_TLS), the nixl
 # backend on GPU memory (needs a NIXL wheel for the host's CUDA in .whl/, nixl-cu13 on the lent H200s), and
 # ncu_scatter, Nsight Compute on one launch each of a copy kernel, the scatter and the gather: the report's raw
-# metrics in $OUT/ncu_raw.csv, the key ones in the log).
+# metrics in $OUT/ncu_raw.csv, the key ones in the log; sharing, what N processes on one GPU cost each small
+# operation; bench_p1d1 and bench_chunk2048, the bench with 2 processes, and with 4x fewer, 4x larger chunks).
 set -u -o pipefail
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -51,6 +52,9 @@ for STEP in "${STEPS[@]}"; do
         $GS --dtype float8_e4m3fn --runs 5 --repeats 10 --batch 10 && $GS --tp 16:2 --runs 5 --repeats 10 --batch 10" ;;
     bench) step bench 170 $BENCH ;;
     bench_c4) step bench_c4 170 $BENCH --concurrency 4 ;;
+    bench_p1d1) step bench_p1d1 170 python3 -m kvstage bench --backend cuda_ipc ${BENCH_ARGS/--prefill-tp 4 --decode-tp 2/--prefill-tp 1 --decode-tp 1} ;;
+    bench_chunk2048) step bench_chunk2048 170 $BENCH --chunk-tokens 2048 ;;
+    sharing) step sharing 200 python3 benchmarks/gpu_sharing.py --procs 1 2 6 --runs 5 ;;
     nixl_tests) step nixl_tests 120 python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts="" --timeout 60 -k nixl \
         tests/transport/test_nixl_vram.py tests/runtime/test_gpu_agents.py ;;
     bench_nixl) step bench_nixl 150 env UCX_TLS=cuda_ipc,cuda_copy,tcp python3 -m kvstage bench --backend nixl $BENCH_ARGS ;;
