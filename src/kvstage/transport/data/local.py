@@ -3,9 +3,11 @@
 Owns: the shared-memory segments behind regions from `allocate` (files under `TransportConfig.shm_dir`, named
 `kvstage-<pid>-<tag>-<region>`), the writer-side mappings of peers' segments, and one copy thread.
 
-How it works. `allocate` creates a segment file, maps it and hands out a tensor over the mapping; its descriptor
-names the segment and the owner's pid. A writer maps the named segment and a write is a `copy_` into that
-mapping, done by this transport's copy thread so that `write` returns at once; `poll` reports what it finished.
+How it works. `allocate` creates a segment file, reserves all its pages at once (`posix_fallocate`: a
+shared-memory filesystem too small for it fails `allocate` with a `TransportError` naming the directory, the size
+and the free space, rather than a later write dying of SIGBUS), maps it and hands out a tensor over the mapping;
+its descriptor names the segment and the owner's pid. A writer maps the named segment and a write is a `copy_` into
+that mapping, done by this transport's copy thread so that `write` returns at once; `poll` reports what it finished.
 
 Ownership. The process that created a segment is the only one that unlinks it (on `unregister` or `close`);
 writers only map and unmap. We do not use `multiprocessing.shared_memory`, whose resource tracker would unlink a
@@ -103,9 +105,9 @@ class LocalTransport(DataTransport):
         path = self._dir / f"kvstage-{os.getpid()}-{self._tag}-{region_id}"
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            os.ftruncate(fd, nbytes)
+            _reserve(fd, nbytes, self._dir)
             segment = _Segment(path, _map(fd, nbytes), os.getpid(), os.fstat(fd).st_ino)
-        except OSError:
+        except (OSError, TransportError):
             path.unlink(missing_ok=True)
             raise
         finally:
@@ -222,6 +224,26 @@ def pid_alive(pid: int) -> bool:
         log.debug("cannot read %s (%s); taking process %d as alive", proc, err, pid)
         return True
     return stat[stat.rfind(")") + 2 :][:1] not in ("Z", "X")
+
+
+def _reserve(fd: int, nbytes: int, directory: Path) -> None:
+    """Size the segment file to `nbytes` with every page backed now, not on first touch.
+
+    A sparse file (ftruncate alone) would let `allocate` succeed on a tmpfs too small for it, and the first write
+    past what the tmpfs can hold would kill the writing process with SIGBUS. `posix_fallocate` makes the tmpfs find
+    the pages at once, so a shortage is a `TransportError` here instead."""
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as err:
+        try:
+            stat = os.statvfs(directory)
+            free = f"{stat.f_bavail * stat.f_frsize} bytes free"
+        except OSError as stat_err:
+            free = f"free space unknown ({stat_err})"
+        raise TransportError(
+            f"cannot reserve {nbytes} bytes of shared memory in {directory} ({free}): {err}; "
+            "give the shared-memory filesystem more room (e.g. docker --shm-size) or set TransportConfig.shm_dir"
+        ) from err
 
 
 def _map(fd: int, nbytes: int) -> torch.Tensor:
