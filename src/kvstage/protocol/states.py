@@ -201,7 +201,9 @@ DECODE_ROOM: Table[DecodeRoomState, DecodeTrigger] = Table(
             _D.QUARANTINED,
             _DT.RELEASE,
             _D.QUARANTINED,
-            "every writer that was ever granted confirmed (`AbortAck`, its own `Abort`, or its incarnation fenced)",
+            "every writer that was ever granted confirmed: `AbortAck` or its own `Abort` from the incarnation that "
+            "served the room; declared dead (at once); restarted (once `quarantine_s` has passed since decode last "
+            "heard its old incarnation)",
             "`ring.free` of the room's regions; direct: `FreePages`",
         ),
         Edge(_D.QUARANTINED, _DT.FORGET, _D.FORGOTTEN, "every writer confirmed", "forget (remembered as closed)"),
