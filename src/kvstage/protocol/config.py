@@ -1,6 +1,7 @@
 """Static configuration of the protocol endpoints: timing, caps, and each side's identity and layout.
 
-Owns: `Timing` (heartbeats, liveness, retry backoff, the writer lease), `Limits` (per-peer caps that keep state
+Owns: `Timing` (heartbeats, liveness, retry backoff, the writer lease), `lease_gaps` (whether a decode rank's
+timing covers a writer's lease, across two instances configured apart), `Limits` (per-peer caps that keep state
 bounded, R10), `DecodeConfig` and `PrefillConfig`. Validation happens here, at construction, so an endpoint never starts
 with a configuration it cannot serve (R12: staging requires `validate_staging_config` to pass).
 
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Final, Literal
+from typing import Final, Literal, Protocol
 
 from kvstage.errors import ConfigError
 from kvstage.layout import KVLayout, heads_of_rank, validate_staging_config
@@ -95,6 +96,53 @@ class Timing:
                 "ring space that was reused"
             )
         return bad
+
+
+class LeaseTerms(Protocol):
+    """The lease-relevant part of one rank's timing: a `Timing`, or a peer's as its bootstrap record carries it."""
+
+    @property
+    def dead_after_s(self) -> float: ...
+    @property
+    def lease_s(self) -> float: ...
+    @property
+    def max_write_s(self) -> float: ...
+    @property
+    def clock_drift(self) -> float: ...
+
+
+def lease_gaps(decode: LeaseTerms, writer: LeaseTerms) -> list[str]:
+    """Why a decode rank with `decode`'s timing may reuse ring space that a writer with `writer`'s timing can
+    still write into (empty when it cannot; docs/protocol.md, "Writer leases"). `Timing.problems()` checks one
+    rank's own values; two instances configured apart must also agree. The writer's writes land within
+    `need = (writer.lease_s + writer.max_write_s)(1 + d)/(1 - d)` of decode last hearing from it, `d` the larger
+    `clock_drift` of the two. Decode frees a dead writer's space at once after its own `dead_after_s`, and a
+    restarted writer's at its own `quarantine_s` (from its own `lease_s`, `max_write_s` and `clock_drift`): both
+    must be at least `need`."""
+    drift = max(decode.clock_drift, writer.clock_drift)
+    need = (writer.lease_s + writer.max_write_s) * (1 + drift) / (1 - drift)
+    own = (decode.lease_s + decode.max_write_s) * (1 + decode.clock_drift) / (1 - decode.clock_drift)
+    terms = (
+        f"the writer's quarantine {need:.6g} = (lease_s={writer.lease_s} + max_write_s={writer.max_write_s}) * "
+        f"(1 + drift) / (1 - drift) with drift={drift}, the larger clock_drift of the two"
+    )
+    gaps = []
+    if decode.dead_after_s < need:
+        gaps.append(
+            f"decode's Timing.dead_after_s={decode.dead_after_s} is less than {terms}: decode would declare the "
+            "writer dead and reuse its ring space while a write under its lease can still land; raise decode's "
+            f"Timing.dead_after_s to at least {need:.6g}, or lower the writer's Timing.lease_s and max_write_s "
+            f"(they default to {LEASE_SHARE} * its dead_after_s={writer.dead_after_s})"
+        )
+    if own < need:
+        gaps.append(
+            f"decode's Timing.quarantine_s={own:.6g} (lease_s={decode.lease_s} + max_write_s={decode.max_write_s}, "
+            f"clock_drift={decode.clock_drift}) is less than {terms}: after the writer restarts, decode would reuse "
+            "its ring space while the old process's writes can still land; raise decode's Timing.lease_s and "
+            f"max_write_s (they default to {LEASE_SHARE} * its dead_after_s) until its quarantine_s is at least "
+            f"{need:.6g}, or lower the writer's"
+        )
+    return gaps
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,8 +14,9 @@ from kvstage.errors import ConfigError
 from kvstage.layout import KVLayout
 from kvstage.protocol import Limits, Timing
 from kvstage.protocol.codec import DEFAULT_MAX_FRAME_BYTES
+from kvstage.protocol.config import lease_gaps
 from kvstage.runtime.outbox import ParkLimits
-from kvstage.transport.bootstrap import LayoutRecord, PeerRecord, check_compatible
+from kvstage.transport.bootstrap import LayoutRecord, PeerRecord, TimingRecord, check_compatible
 from kvstage.transport.control import ChannelConfig
 from kvstage.transport.data import TransportConfig
 
@@ -95,6 +96,12 @@ class AgentConfig:
             session=session,
             descriptors=descriptors,
             chunk_tokens=self.chunk_tokens,
+            timing=TimingRecord(
+                dead_after_s=self.timing.dead_after_s,
+                lease_s=self.timing.lease_s,
+                max_write_s=self.timing.max_write_s,
+                clock_drift=self.timing.clock_drift,
+            ),
         )
 
 
@@ -124,7 +131,9 @@ class AgentSnapshot:
 
 def check_peer(config: AgentConfig, role: str, peer_role: str, record: PeerRecord) -> None:
     """`ConfigError`, naming both sides, unless `record` is a `peer_role` rank this agent can work with: same KV
-    layout (layers, heads, head_dim, dtype, page size) and same data backend."""
+    layout (layers, heads, head_dim, dtype, page size), same data backend, and timings that keep the writer lease
+    safe across the two instances (`lease_gaps` with the decode side's timing and the prefill side's: decode's
+    `dead_after_s` and `quarantine_s` cover the writer's lease and write bound, docs/protocol.md "Writer leases")."""
     me = f"{role} rank {config.peer_id!r}"
     if record.role != peer_role:
         raise ConfigError(f"role mismatch: {record.peer_id!r} registered as {record.role}, expected a {peer_role} rank")
@@ -133,4 +142,20 @@ def check_peer(config: AgentConfig, role: str, peer_role: str, record: PeerRecor
         raise ConfigError(
             f"backend mismatch: {config.peer_id!r} uses {config.transport.backend!r}, "
             f"{record.peer_id!r} uses {record.backend!r}"
+        )
+    if record.timing is None:
+        raise ConfigError(
+            f"{record.role} rank {record.peer_id!r} publishes no timing, so {me} cannot check that the writer lease "
+            'is safe between them (docs/protocol.md, "Writer leases"); every kvstage agent publishes it'
+        )
+    if role == "decode":
+        gaps = lease_gaps(config.timing, record.timing)
+        decode, writer = config.peer_id, record.peer_id
+    else:
+        gaps = lease_gaps(record.timing, config.timing)
+        decode, writer = record.peer_id, config.peer_id
+    if gaps:
+        raise ConfigError(
+            f"timing mismatch between decode rank {decode!r} and prefill rank {writer!r} (the writer): "
+            + "; and ".join(gaps)
         )

@@ -3,7 +3,9 @@
 Owns:
 - `PeerRecord`: what one rank publishes — peer id, role, instance, TP size and rank, `KVLayout`, control-plane
   address, data backend, its transport descriptors (a decode rank publishes its staging ring's descriptor
-  here, which is how writers learn where to write), and its session (new and larger on every restart);
+  here, which is how writers learn where to write), its session (new and larger on every restart), and its
+  lease-relevant timing (`TimingRecord`: the agents refuse a peer whose timing breaks the writer-lease rule,
+  docs/protocol.md "Writer leases");
 - `BootstrapServer`: a small ZeroMQ ROUTER service, one thread owning its socket, holding at most
   `max_records` records (a newer session replaces an older one; an older session never replaces a newer one),
   each for `record_ttl_s` after its last registration (agents register again every `REREGISTER_S`, so the record
@@ -73,6 +75,21 @@ class LayoutRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return KVLayout(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype, self.page_size)
 
 
+#: The largest timing value a record may carry, in seconds (a day): anything larger is a mistake, and no value is
+#: infinite or NaN.
+MAX_TIMING_S: Final = 86400.0
+Seconds = Annotated[float, Meta(gt=0, le=MAX_TIMING_S)]
+
+
+class TimingRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The lease-relevant part of a rank's `Timing` on the wire (`lease_s` and `max_write_s` as derived)."""
+
+    dead_after_s: Seconds
+    lease_s: Seconds
+    max_write_s: Seconds
+    clock_drift: Annotated[float, Meta(ge=0, lt=0.5)]
+
+
 class PeerRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """One rank's published identity, layout, addresses and transport descriptors."""
 
@@ -90,6 +107,8 @@ class PeerRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         Meta(max_length=MAX_DESCRIPTORS),
     ] = {}
     chunk_tokens: Annotated[int, Meta(ge=0)] = 0
+    #: Agents always publish it; a record without it (a tool's, a test's) is refused by `runtime.config.check_peer`.
+    timing: TimingRecord | None = None
 
 
 class _Register(msgspec.Struct, frozen=True, tag="register"):
