@@ -1,15 +1,16 @@
 """The `mooncake` data backend: Mooncake Transfer Engine (`mooncake-transfer-engine-non-cuda`) on CPU memory.
 
-Owns: one `mooncake.engine.TransferEngine`, the regions registered with it, the imported peers' (session,
-address) pairs, and the worker threads that run its blocking write calls.
+Owns: one `mooncake.engine.TransferEngine`, the regions registered with it, the imported peers' descriptors
+(session, address, owner pid and process space), and the worker threads that run its blocking write calls.
 
 How it works. The engine starts with the P2P handshake (no metadata service: a peer is named by its session
 "host:rpc_port") over TCP by default; `TransportConfig(mooncake_protocol="rdma", mooncake_device="mlx5_0")`
-selects RDMA. A descriptor carries the owner's session and the region's base address; a write targets
-`base + offset` in the peer's registered memory. The Python binding offers a non-blocking status check only for
-single-task batches, so writes run as blocking batch calls (which release the GIL) on `_WORKERS` threads, and
-`poll` collects what they finished. A batch of n slices is n engine tasks (n operations), submitted in calls of
-at most `_MAX_TASKS_PER_CALL` tasks.
+selects RDMA. A descriptor carries the owner's session and the region's base address (a write targets
+`base + offset` in the peer's registered memory), and the owner's pid and process space (this kernel's boot id
+and the owner's pid namespace), from which a writer in the same space tells a dead owner. The Python binding
+offers a non-blocking status check only for single-task batches, so writes run as blocking batch calls (which
+release the GIL) on `_WORKERS` threads, and `poll` collects what they finished. A batch of n slices is n engine
+tasks (n operations), submitted in calls of at most `_MAX_TASKS_PER_CALL` tasks.
 
 Logging. The engine logs through glog to standard error, a dozen INFO lines per engine (topology discovery,
 listening port, every segment removed at close), which would bury the caller's own output. Unless `MC_LOG_LEVEL`
@@ -17,16 +18,17 @@ is set, kvstage sets it to WARNING before the engine module loads (it is read th
 show. `GLOG_minloglevel` has no effect on this wheel.
 
 Bounded writes. A batch call is made only if the write's `not_after` has not passed when its worker is about to
-make it (`LEASE_EXPIRED` otherwise, with `peer_gone` if the peer's handshake port refuses connections, as for
-a failed write); with `TransportConfig.max_write_s`, the write goes in calls of at most
-`PIECE_BYTES` and none is made once half of `max_write_s` has passed since the first. Once a call is made,
-kvstage cannot stop it: the binding gives up waiting after `MC_TRANSFER_TIMEOUT` (30 s by default, at least 5 s,
-plus a second per GiB) and frees the batch while its slices may still be moving (docs/transports.md).
+make it (`LEASE_EXPIRED` otherwise, with `peer_gone` if the peer is gone, as for a failed write); with
+`TransportConfig.max_write_s`, the write goes in calls of at most `PIECE_BYTES` and none is made once half of
+`max_write_s` has passed since the first. Once a call is made, kvstage cannot stop it: the binding gives up
+waiting after `MC_TRANSFER_TIMEOUT` (30 s by default, at least 5 s, plus a second per GiB) and frees the batch
+while its slices may still be moving (docs/transports.md).
 
 Invariants: a rejected, unreachable or timed-out write becomes a failed completion naming the peer session (with
-`peer_gone` when the peer's handshake port refuses connections: Mooncake itself gives every failure code -1); the
-engine enforces on the reader side that a write lands inside registered memory, and `DataTransport` checks
-region bounds before submitting. Called through `kvstage.transport.data.create_transport`.
+`peer_gone` when the owner's pid no longer runs in this process space, or else its handshake port refuses
+connections: Mooncake itself gives every failure code -1); the engine enforces on the reader side that a write
+lands inside registered memory, and `DataTransport` checks region bounds before submitting. Called through
+`kvstage.transport.data.create_transport`.
 """
 
 from __future__ import annotations
@@ -37,7 +39,9 @@ import re
 import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from functools import cache
+from pathlib import Path
+from typing import Annotated, Any
 
 import msgspec
 
@@ -53,6 +57,7 @@ from kvstage.transport.data.base import (
     TransportConfig,
     WriteBound,
 )
+from kvstage.transport.data.local import pid_alive
 from kvstage.transport.data.workers import JobRunner
 
 log = logging.getLogger(__name__)
@@ -64,13 +69,19 @@ transfers, so a long `write_batch` goes out as consecutive calls of at most this
 _SESSION_RE = re.compile(r"[A-Za-z0-9.\-:\[\]]{1,200}:\d{1,5}")
 #: How long the cause probe of a failed write waits for the peer's handshake port (see `_peer_gone`).
 _PROBE_TIMEOUT_S = 1.0
+_MAX_PID = 1 << 22  # Linux's pid_max ceiling
+_MAX_SPACE = 100
 
 
 class _MooncakeRef(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """Payload of a mooncake descriptor: the owner's engine session and the region's base address."""
+    """Payload of a mooncake descriptor: the owner's engine session, the region's base address, and the owner's
+    pid with the identity of the kernel and pid namespace it runs in (`_process_space`), so that a writer in the
+    same one can tell a dead owner by its pid rather than by its handshake port alone (`_peer_gone`)."""
 
     session: str
     address: int
+    pid: Annotated[int, msgspec.Meta(ge=1, le=_MAX_PID)]
+    space: Annotated[str, msgspec.Meta(max_length=_MAX_SPACE)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,7 +89,7 @@ class _Write:
     """One write for a worker: `slices` from local memory at `src` into the peer engine `session`'s memory at `dst`."""
 
     transfer_id: int
-    session: str
+    peer: _MooncakeRef
     src: int
     dst: int
     slices: tuple[Slice, ...]
@@ -136,7 +147,7 @@ class MooncakeTransport(DataTransport):
             log.warning("Mooncake could not unregister region %d (code %d)", region.region_id, rc)
 
     def _export_payload(self, region: LocalRegion) -> bytes:
-        return msgspec.msgpack.encode(_MooncakeRef(self.session, region.address))
+        return msgspec.msgpack.encode(_MooncakeRef(self.session, region.address, os.getpid(), _process_space()))
 
     def _import(self, descriptor: RegionDescriptor, remote: RemoteRegion) -> None:
         try:
@@ -154,7 +165,7 @@ class MooncakeTransport(DataTransport):
         self, transfer_id: int, src: LocalRegion, dst: RemoteRegion, slices: Sequence[Slice], bound: WriteBound
     ) -> str:
         peer = self._peers[dst.key]
-        self._writer.submit(_Write(transfer_id, peer.session, src.address, peer.address, tuple(slices), bound))
+        self._writer.submit(_Write(transfer_id, peer, src.address, peer.address, tuple(slices), bound))
         return ""
 
     def _run(self, write: _Write) -> Completion:
@@ -164,20 +175,21 @@ class MooncakeTransport(DataTransport):
         def call(piece: tuple[Slice, ...]) -> str:
             nonlocal gone
             rc = self._engine.batch_transfer_sync_write(
-                write.session,
+                write.peer.session,
                 [write.src + s_off for s_off, _, _ in piece],
                 [write.dst + d_off for _, d_off, _ in piece],
                 [length for _, _, length in piece],
             )
             if rc == 0:
                 return ""
-            gone = _peer_gone(write.session)
-            cause = "nothing listens on its handshake port any more" if gone else "peer unreachable or rejected it"
-            return f"mooncake write to {write.session} failed (code {rc}): {cause}"
+            cause = _peer_gone(write.peer)
+            gone = bool(cause)
+            cause = cause or "peer unreachable or rejected it"
+            return f"mooncake write to {write.peer.session} failed (code {rc}): {cause}"
 
         reason = write.bound.move(write.slices, call, _MAX_TASKS_PER_CALL)
         if reason == LEASE_EXPIRED:  # nothing was posted; if the peer is gone too, that is what its room should say
-            gone = _peer_gone(write.session)
+            gone = bool(_peer_gone(write.peer))
         if reason:
             log.warning("transfer %d: %s", write.transfer_id, reason)
         return Completion(write.transfer_id, not reason, reason, write.ops, peer_gone=gone)
@@ -193,17 +205,37 @@ class MooncakeTransport(DataTransport):
         self._engine = None
 
 
-def _peer_gone(session: str) -> bool:
-    """Whether the peer engine of `session` ("host:port") is gone: its handshake port refuses connections.
+def _peer_gone(peer: _MooncakeRef) -> str:
+    """Why the peer engine `peer` is gone, or "" when it may still be there.
 
     Mooncake reports every failed write with the same code (-1), so the cause is probed here, on the worker
-    thread: a refused connection means no engine listens there any more (its process exited); a timeout or an
-    unreachable host says nothing about the peer, and counts as not gone."""
-    host, _, port = session.rpartition(":")
+    thread. A peer in this process space (same kernel and pid namespace, `_process_space`) whose pid no longer runs
+    is gone, whatever now listens on its old handshake port: Mooncake picks those ports at random, so another
+    engine may have taken it. Otherwise (a live pid, or a peer elsewhere) a refused connection on the handshake
+    port means no engine listens there any more (it closed, or its process exited); a timeout or an unreachable host
+    says nothing about the peer, and counts as not gone."""
+    if peer.space and peer.space == _process_space() and not pid_alive(peer.pid):
+        return f"peer dead: owner process {peer.pid} has exited"
+    host, _, port = peer.session.rpartition(":")
     try:
         with socket.create_connection((host.strip("[]"), int(port)), timeout=_PROBE_TIMEOUT_S):
-            return False
+            return ""
     except ConnectionRefusedError:
-        return True
+        return "nothing listens on its handshake port any more"
     except OSError:
-        return False
+        return ""
+
+
+@cache
+def _process_space() -> str:
+    """This kernel's boot id and this process's pid namespace ("<boot id>/pid:[<inode>]"), or "" where procfs
+    does not tell: two processes with the same non-empty value see each other's pids. (A hostname would not do:
+    containers on one host may share it across pid namespaces, or differ while sharing one.)"""
+    try:
+        boot_id = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        namespace = os.readlink("/proc/self/ns/pid")
+    except OSError as err:
+        log.debug("cannot identify this process space (%s); dead mooncake peers are told by their port only", err)
+        return ""
+    space = f"{boot_id}/{namespace}"
+    return space if len(space) <= _MAX_SPACE else ""
