@@ -15,13 +15,14 @@ and device, so UCX picks its CUDA transports: cuda_ipc between processes of one 
 and staging slab live there. `write_batch(after=event)` has the write's worker wait for the event (the gather that
 filled the source) before it posts, since UCX copies on streams of its own.
 
-How it works. A descriptor carries the owner's agent metadata (taken after the region was registered, so it
-lists the region), the region's base address, memory type and device; importing loads that metadata into our
-agent. A write builds local and remote transfer descriptor lists (one row per slice), creates a WRITE request and
-posts it. UCX
-carries out a same-host write inside the posting call itself (measured: `transfer()` of 64 MiB returns after
-15-30 ms, with the bytes copied), so writes are posted and waited for on worker threads (`_WORKERS`, at least one
-per UCX worker), never on the caller's thread, and `poll` only collects their completions.
+How it works. A descriptor carries the owner's agent metadata (taken after the region was registered, so it lists the
+region), the region's base address, memory type and device; importing loads that metadata into our agent, once the agent
+name at its head (read without loading it, `_metadata_agent`) is the descriptor's owner: a descriptor carrying another
+agent's metadata is refused before NIXL sees it, so it loads nothing and leaves a peer already loaded under that name as
+it was. A write builds local and remote transfer descriptor lists (one row per slice), creates a WRITE request and posts
+it. UCX carries out a same-host write inside the posting call itself (measured: `transfer()` of 64 MiB returns after
+15-30 ms, with the bytes copied), so writes are posted and waited for on worker threads (`_WORKERS`, at least one per
+UCX worker), never on the caller's thread, and `poll` only collects their completions.
 
 Parallel copies. NIXL's UCX backend drives one UCX worker by default, and its STRICT thread-sync mode holds one
 lock around every call, so a process's writes copied one at a time: about 5 GB/s per process on an H200 host,
@@ -117,6 +118,26 @@ _VRAM_HINT = (
 _PACKAGES = {"13": "nixl_cu13", "12": "nixl_cu12"}
 #: Most GPUs a descriptor may name (a device index outside this is refused at import).
 _MAX_GPUS = 1024
+
+
+_METADATA_HEADER = b"nixlSerDes|Agent"
+_NAME_LENGTH_BYTES = 8
+
+
+def _metadata_agent(metadata: bytes) -> str | None:
+    """The agent name at the head of NIXL's serialised agent metadata, read without loading it, or None where the
+    blob does not start as NIXL 1.5.1 writes it: `nixlSerDes|Agent`, the name's length (8 bytes, little-endian),
+    the name, then `|`. NIXL has no call that names a blob's agent without loading it into the agent."""
+    start = len(_METADATA_HEADER) + _NAME_LENGTH_BYTES
+    if not metadata.startswith(_METADATA_HEADER) or len(metadata) < start:
+        return None
+    size = int.from_bytes(metadata[len(_METADATA_HEADER) : start], "little")
+    if metadata[start + size : start + size + 1] != b"|":
+        return None
+    try:
+        return metadata[start : start + size].decode()
+    except UnicodeDecodeError:
+        return None
 
 
 class _NixlRef(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -371,12 +392,19 @@ class NixlTransport(DataTransport):
             raise TransportError(
                 f"nixl descriptor from {descriptor.owner!r} names memory {ref.memory!r} on device {ref.device}"
             )
+        named = _metadata_agent(ref.metadata)
+        if named != descriptor.owner:  # checked before loading: a refused blob must not touch a loaded peer
+            what = "no NIXL agent header" if named is None else f"metadata of agent {named!r}"
+            raise TransportError(f"nixl descriptor from {descriptor.owner!r} carries {what}")
+        known = set(self._owner_refs)
         try:
-            loaded = self._agent.add_remote_agent(ref.metadata)
+            loaded = self._agent.add_remote_agent(ref.metadata)  # NIXL undoes a load it fails itself
         except self._errors as err:
             raise TransportError(f"NIXL could not load the metadata of {descriptor.owner!r}: {err}") from err
         name = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
-        if name != descriptor.owner:
+        if name != descriptor.owner:  # NIXL read another name than its header says: undo what it loaded
+            if name not in known:
+                self._remove_agent(name)
             raise TransportError(f"nixl descriptor from {descriptor.owner!r} carries metadata of agent {name!r}")
         self._peers[remote.key] = ref
         self._owner_refs[name] = self._owner_refs.get(name, 0) + 1
@@ -389,10 +417,13 @@ class NixlTransport(DataTransport):
             self._owner_refs[remote.owner] = refs
             return
         del self._owner_refs[remote.owner]
+        self._remove_agent(remote.owner)
+
+    def _remove_agent(self, name: str) -> None:
         try:
-            self._agent.remove_remote_agent(remote.owner)
+            self._agent.remove_remote_agent(name)
         except self._errors as err:
-            log.warning("NIXL could not remove remote agent %r: %s", remote.owner, err)
+            log.warning("NIXL could not remove remote agent %r: %s", name, err)
 
     def _order_after(self, event: torch.cuda.Event) -> None:
         self._after = event  # `_submit`, next in the same locked call, hands it to the write's worker
