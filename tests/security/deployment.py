@@ -28,8 +28,9 @@ from kvstage.transport.control import ChannelConfig
 Outcome = RoomOutcome
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=4, head_dim=16, dtype="float16", page_size=4)
 TIMING = Timing(heartbeat_s=0.1, dead_after_s=1.0, retry_initial_s=0.02, retry_max_s=0.2)
-# For tests whose room is expected before its writer is up: decode counts the writer as heard at `expect`, so a
-# loaded machine must not turn a slow start into "peer dead" (found in CI: a 1 s bound was too tight).
+# For tests that do not exercise liveness: decode counts a writer as heard at `expect`, and a loaded machine (CI,
+# or strangers flooding the agent) must not turn a slow start or a late heartbeat into "peer dead" (seen in CI and
+# under load with the 1 s bound).
 PATIENT = Timing(heartbeat_s=0.1, dead_after_s=10.0, retry_initial_s=0.02, retry_max_s=0.2)
 CHUNK = 8
 PREFILL_TP = 2
@@ -47,10 +48,17 @@ class Caps:
 
 
 def config(
-    instance: str, rank: int, tp: int, bootstrap: str, caps: Caps = Caps(), secret: bytes | None = None
+    instance: str,
+    rank: int,
+    tp: int,
+    bootstrap: str,
+    caps: Caps = Caps(),
+    secret: bytes | None = None,
+    control_bind: str = "tcp://127.0.0.1:*",
 ) -> AgentConfig:
     return AgentConfig(
         instance=instance,
+        control_bind=control_bind,
         rank=rank,
         tp_size=tp,
         layout=LAYOUT,
@@ -78,11 +86,18 @@ def wait_outcomes(agent: DecodeAgent | PrefillAgent, rooms: Iterable[int], timeo
 
 
 def prefill_instance(
-    name: str, bootstrap: str, caps: Caps = Caps(), secret: bytes | None = None, pages: int = 16
+    name: str,
+    bootstrap: str,
+    caps: Caps = Caps(),
+    secret: bytes | None = None,
+    pages: int = 16,
+    binds: tuple[str, ...] = ("tcp://127.0.0.1:*",) * PREFILL_TP,
 ) -> list[PrefillAgent]:
+    """A prefill instance of PREFILL_TP ranks, each one's control socket bound to its entry of `binds`."""
     return [
         PrefillAgent(
-            config(name, r, PREFILL_TP, bootstrap, caps, secret), KVPool.for_rank(LAYOUT, PREFILL_TP, r, pages)
+            config(name, r, PREFILL_TP, bootstrap, caps, secret, binds[r]),
+            KVPool.for_rank(LAYOUT, PREFILL_TP, r, pages),
         ).start()
         for r in range(PREFILL_TP)
     ]
@@ -112,6 +127,7 @@ def peer_tables(agent: DecodeAgent | PrefillAgent) -> dict[str, int]:
         "sockets": agent.channel.open_peers,
         "resolver": agent.resolver.wanted(),
         "parked": len(agent._parked),
+        "held": len(agent._held.peers()),
         "endpoint": len(agent.endpoint.peers()),
     }
 

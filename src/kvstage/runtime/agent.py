@@ -32,7 +32,12 @@ Invariants:
   `Timing.dead_after_s`: closed, killed or a stranger), the agent releases its record, its control socket, its
   resolver entry, its parked sends and the subclass's state for it (`_release_departed`). What the agent keeps is
   bounded by the peers alive now, never by all the peers it has seen;
-- a send that fails never changes a room the addressee has no part in (the endpoint checks, R3).
+- a send that fails never changes a room the addressee has no part in (the endpoint checks, R3);
+- a stranger never changes a room: only a frame whose sender's bootstrap record the agent holds, and whose session
+  is that record's, reaches the endpoint (`_verified`). A frame from a sender not resolved yet, or from a session
+  newer than its record (a restart the resolver has not seen yet), is held until the record arrives, bounded as
+  the parked sends are (`AgentConfig.park`); one from an older session, or from a sender no record names in time,
+  is dropped and counted in `kvstage_rejected_frames` (docs/security.md, "Who may talk to a room").
 
 Called by decode.py and prefill.py (subclasses), engines (docs/integration.md, tests/runtime/runtime_worker.py)
 and `kvstage bench` through `kvstage.runtime`.
@@ -78,7 +83,15 @@ from kvstage.runtime.config import AgentConfig, AgentSnapshot, RoomOutcome, chec
 from kvstage.runtime.copier import Copier, CopyDone
 from kvstage.runtime.directory import Resolver
 from kvstage.runtime.metrics import AgentMetrics
-from kvstage.runtime.outbox import NOT_PARKED, SESSION_ENDED, ParkedSends
+from kvstage.runtime.outbox import (
+    INCOMPATIBLE_SENDER,
+    NOT_PARKED,
+    SESSION_ENDED,
+    STALE_SESSION,
+    UNREGISTERED,
+    UNVERIFIED,
+    ParkedSends,
+)
 from kvstage.transport.auth import FrameAuth
 from kvstage.transport.bootstrap import BootstrapClient, PeerRecord, check_compatible
 from kvstage.transport.control import ControlChannel
@@ -141,6 +154,7 @@ class BaseAgent(ABC):
         self._records: dict[str, PeerRecord] = {}
         self._peer_of_address: dict[str, str] = {}
         self._parked = ParkedSends(config.park)
+        self._held = ParkedSends(config.park)  # inbound frames of senders not verified yet, per sender
         self._next_sweep = 0.0
         self._incompatible: dict[str, str] = {}
         self._snapshot = AgentSnapshot()
@@ -418,11 +432,38 @@ class BaseAgent(ABC):
         if isinstance(item, Received):
             with self._inbox_lock:
                 self._inbox -= 1
-                self._inbox_bytes -= self._inbox_sizes.popleft()
-            sender = item.envelope.sender
-            if sender not in self._records and sender not in self._incompatible:
-                self.resolver.want(sender)
+                nbytes = self._inbox_sizes.popleft()
+                self._inbox_bytes -= nbytes
+            if not self._verified(item.envelope, nbytes):
+                return
         self._feed(item)
+
+    def _verified(self, envelope: Envelope, nbytes: int) -> bool:
+        """Whether `envelope` may reach the endpoint: the agent holds its sender's record, of the same session.
+        Otherwise the frame is held until the record arrives (sender not resolved yet, or a newer session: a
+        restart), or dropped and counted (an older session, an incompatible peer, or the holding caps)."""
+        sender, session = envelope.sender, envelope.session
+        record = self._records.get(sender)
+        if record is not None and session == record.session:
+            return True
+        if sender in self._incompatible or (record is not None and session < record.session):
+            self.metrics.frame_rejected(INCOMPATIBLE_SENDER if sender in self._incompatible else STALE_SESSION)
+            return False
+        asked = sender in self._held.peers() or self.resolver.want(sender)  # ask once per holding, not per frame
+        if not asked:
+            self.metrics.frame_rejected(f"{UNVERIFIED}: too many unresolved peers")
+            return False
+        for _, _, reason in self._held.park(sender, envelope, nbytes, time.monotonic()):
+            self.metrics.frame_rejected(f"{UNVERIFIED}: {reason}")
+        return False
+
+    def _release_held(self, record: PeerRecord) -> None:
+        """`record` arrived: the frames held from its sender go to the endpoint if they are of its session."""
+        for envelope in self._held.pop(record.peer_id):
+            if envelope.session == record.session:
+                self._feed(Received(envelope))
+            else:
+                self.metrics.frame_rejected(STALE_SESSION if envelope.session < record.session else UNREGISTERED)
 
     def _feed(self, event: Any) -> None:
         """Hand one event to the endpoint and carry out its actions, then those of any follow-up events (in
@@ -516,9 +557,11 @@ class BaseAgent(ABC):
             self._release_peer(peer)
         for failed in self._parked.expire(now):
             self._send_failed(*failed)
+        for _, _, reason in self._held.expire(now):
+            self.metrics.frame_rejected(f"{UNVERIFIED}: {reason}")
         for table, count in (("records", len(self._records)), ("sockets", self.channel.open_peers),
                              ("resolver", self.resolver.wanted()), ("parked", len(self._parked)),
-                             ("endpoint", len(live))):  # fmt: skip
+                             ("held", len(self._held.peers())), ("endpoint", len(live))):  # fmt: skip
             self.metrics.set_peer_state(table, count)
 
     def _release_peer(self, peer: str) -> None:
@@ -526,13 +569,22 @@ class BaseAgent(ABC):
         subclass's state for it. A later message from it starts over (resolved again)."""
         record = self._records.pop(peer, None)
         if record is not None:
-            self._peer_of_address.pop(record.control_address, None)
-            self.channel.forget_peer(record.control_address)
+            self._forget_address(peer, record.control_address)
         self._incompatible.pop(peer, None)
         self.resolver.forget(peer)
         self._peer_fenced(peer)
         for envelope in self._parked.pop(peer):
             self._send_failed(peer, envelope, SESSION_ENDED)
+        for _ in self._held.pop(peer):
+            self.metrics.frame_rejected(f"{UNVERIFIED}: {SESSION_ENDED}")
+
+    def _forget_address(self, peer: str, address: str) -> None:
+        """`peer` no longer lives at `address`: close the socket there, unless another peer (one that took the
+        address over, e.g. a new instance on the same port) lives there now."""
+        if self._peer_of_address.get(address) not in (peer, None):
+            return
+        self._peer_of_address.pop(address, None)
+        self.channel.forget_peer(address)
 
     def _on_record(self, record: PeerRecord) -> None:
         try:
@@ -542,6 +594,8 @@ class BaseAgent(ABC):
             self._incompatible[record.peer_id] = str(exc)
             for envelope in self._parked.pop(record.peer_id):
                 self._feed(SendFailed(record.peer_id, envelope, str(exc)))
+            for _ in self._held.pop(record.peer_id):
+                self.metrics.frame_rejected(INCOMPATIBLE_SENDER)
             return
         old = self._records.get(record.peer_id)
         if old is not None and record.session < old.session:
@@ -550,11 +604,11 @@ class BaseAgent(ABC):
                      record.peer_id, old.session)  # fmt: skip
             return
         if old is not None and old.control_address != record.control_address:
-            self.channel.forget_peer(old.control_address)
-            self._peer_of_address.pop(old.control_address, None)
+            self._forget_address(record.peer_id, old.control_address)
         self._records[record.peer_id] = record
         self._peer_of_address[record.control_address] = record.peer_id
         self._peer_changed(old, record)
+        self._release_held(record)
         for envelope in self._parked.pop(record.peer_id):
             self._send(record.peer_id, envelope)
 

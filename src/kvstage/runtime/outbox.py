@@ -1,8 +1,10 @@
-"""Sends parked for peers the agent cannot address yet: bounded in peers, envelopes per peer, bytes and time.
+"""Envelopes parked for peers the agent cannot verify yet: bounded in peers, envelopes per peer, bytes and time.
 
-Owns `ParkLimits` and `ParkedSends`. An agent can only send to a peer whose bootstrap record it holds (the record
-names the peer's control address). Until the resolver delivers that record, the agent parks the peer's sends
-here; when the record arrives it pops them in order and sends them.
+Owns `ParkLimits` and `ParkedSends`, and the reasons an inbound frame is dropped for its sender. An agent can only
+send to a peer whose bootstrap record it holds (the record names the peer's control address). Until the resolver
+delivers that record, the agent parks the peer's sends here; when the record arrives it pops them in order and
+sends them. The same bookkeeping, in a second instance with the same caps, holds the frames received from such a
+peer (or from a session newer than its record) until the record arrives: only then may they reach the endpoint.
 
 Invariants:
 - what is parked never exceeds `max_peers` peers, `max_per_peer` envelopes per peer, `max_bytes` encoded bytes
@@ -38,6 +40,13 @@ Failed = tuple[str, Envelope, str]
 
 #: The reason a send parked for a peer whose session ended fails with.
 SESSION_ENDED = "peer session ended"
+
+#: Why an inbound frame never reached the endpoint (`kvstage_rejected_frames{reason}`), besides the parking caps'
+#: reasons above, which a held frame's reason names after `UNVERIFIED`.
+UNVERIFIED = "sender not verified"
+STALE_SESSION = "session older than the sender's record"
+UNREGISTERED = "session not the sender's registered one"
+INCOMPATIBLE_SENDER = "sender incompatible with this agent"
 #: The reason a heartbeat or Fenced to an unresolved peer fails with: only room messages are parked (the others
 #: repeat on their own), so strangers that keep talking park nothing but the room replies they provoke.
 NOT_PARKED = "peer not resolved (not parked: no room)"

@@ -10,15 +10,17 @@ Wire form of a sealed frame:
 
 `session` is drawn at random by each sender when it starts (a restart is a new session) and `seq` counts up from 1
 per session. `context` binds a frame to where it is going, so a frame captured on its way to one agent is refused
-by every other: for control frames it is the receiver's control address, for bootstrap requests the bootstrap's
-address, for a bootstrap reply the tag of the request it answers. It is not sent; each side knows it.
+by every other: for control frames it is the receiver's control address, for a bootstrap reply the tag of the
+request it answers. Bootstrap requests are bound only to their purpose (`bootstrap.REQUEST_CONTEXT`), since
+clients and the service may name its address differently. It is not sent; each side knows it.
 
 Invariants:
 - `open` checks the length, the version and the tag (in constant time, `hmac.compare_digest`) before anything
   else reads the payload, so a frame without the secret is dropped before it is decoded;
 - a frame whose (session, seq) was already accepted, or is older than the newest accepted seq of its session by
   `window` or more, is refused as a replay; sessions are remembered up to `max_sessions` (least recently used
-  forgotten first), so the guard's memory is bounded and only senders holding the secret can add sessions;
+  forgotten first), so the guard's memory is bounded; a forgotten session's frames, and every frame after the
+  receiver restarts, are accepted again (docs/security.md says what that allows and what bounds it);
 - no cryptography of our own: HMAC-SHA256 from `hmac`/`hashlib`, randomness from `secrets`.
 
 Called by transport/control.py (every control frame) and transport/bootstrap.py (every request and reply); the
