@@ -147,6 +147,28 @@ def test_a_writer_declared_dead_has_no_lease_left_when_decode_reuses_its_space()
     assert not writes_from(pump, "p0")
 
 
+def test_a_write_held_across_a_fence_of_its_writer_is_never_posted_under_the_renewed_lease() -> None:
+    """Found in review: a runtime holds emitted writes until the lease allows them (window full, gather running).
+    With p0 -> d0 cut, d0 declares p0 dead and reuses the ring while p0 still hears d0; when the cut heals p0 is
+    fenced, starts epoch 1, and d0's echoes of that epoch renew the lease. The held writes belong to epoch 0: a
+    poster that checked only the lease posted them into reused space; `may_post` refuses them for good."""
+    pump = make_pump()
+    granted_but_not_computed(pump)
+    pump.hold = writes_of("p0")  # what p0's runtime queues instead of posting
+    pump.drop = lambda src, dst, env: src == "p0" and dst == "d0"
+    kv_ready(pump, "p0")
+    held = [action for _, action in pump.held]
+    assert held and all(isinstance(a, WriteRegion) and a.writer_epoch == 0 for a in held)
+    pump.advance(pump.now + TIMING.dead_after_s + TIMING.heartbeat_s + 0.2)
+    assert pump.outcome("d0", 1) == reasons.PEER_DEAD and decode(pump).ring.num_live == 0
+    expect(pump, 2, 16)  # d0 keeps talking to p0 (room 2 names it), so p0 never declares d0 dead
+    pump.drop = None
+    pump.advance(pump.now + 1.0)
+    p0 = prefill(pump)
+    assert p0.epoch_towards("d0") == 1 and pump.now < p0.lease_until("d0"), "fenced, and the lease renewed"
+    assert not any(p0.may_post(a, pump.now) for a in held), "a write of epoch 0 posted under epoch 1's lease"
+
+
 # ---- decode's quarantine of a restarted writer ------------------------------------------------------------------
 def test_a_restarted_writers_ring_space_stays_quarantined_until_its_old_writes_cannot_land() -> None:
     pump = make_pump()

@@ -157,3 +157,18 @@ def test_a_room_between_instances_whose_timings_break_the_lease_fails_before_any
     refusals = [r.getMessage() for r in caplog.records if "timing mismatch" in r.getMessage()]
     assert refusals, [r.getMessage() for r in caplog.records]
     assert any("D/0: timing mismatch" in message and "Timing.dead_after_s=1.0" in message for message in refusals)
+
+
+def test_connect_refuses_an_instance_whose_timing_breaks_the_lease_naming_both_values():
+    with BootstrapServer() as bootstrap:
+        decode = DecodeAgent(_config("D", SHORT, bootstrap.address), KVPool.for_rank(LAYOUT, 1, 0, 16)).start()
+        prefill = [
+            PrefillAgent(_config("P", LONG, bootstrap.address, tp=2, rank=r), KVPool.for_rank(LAYOUT, 2, r, 16)).start()
+            for r in range(2)
+        ]
+        try:
+            with pytest.raises(ConfigError, match=r"timing mismatch.*dead_after_s=1.0"):
+                decode.connect("P", 2, timeout_s=5)
+        finally:
+            for agent in [*prefill, decode]:
+                agent.close()

@@ -59,8 +59,8 @@ class WriteRegion:
     token_start: int
     block: WriterBlock
     region: Allocation
-    writer_session: int  # this writer's incarnation towards `peer` (for tracing: a fence cannot recall a posted
-    writer_epoch: int  # write; R13 bounds when it can land)
+    writer_session: int  # this writer's incarnation towards `peer` when it emitted the write: a write of an
+    writer_epoch: int  # earlier epoch is never posted (`may_post`); R13 bounds when a posted one can land
     dst_session: int  # the decode session that granted the region: a restarted decode's new ring must not
     # receive it (real transports fail it: the old registration is gone)
 

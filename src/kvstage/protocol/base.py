@@ -30,7 +30,7 @@ from typing import Any, ClassVar
 
 from kvstage.errors import ProtocolError
 from kvstage.protocol import reasons
-from kvstage.protocol.actions import Action, FencePeer, Send
+from kvstage.protocol.actions import Action, FencePeer, Send, WriteDirect, WriteRegion
 from kvstage.protocol.codec import Codec
 from kvstage.protocol.config import Limits, Timing
 from kvstage.protocol.events import (
@@ -165,6 +165,13 @@ class EndpointCore(ABC):
         if peer is None or peer.echo is None:
             return 0.0
         return peer.echo + self.timing.lease_s
+
+    def may_post(self, write: WriteRegion | WriteDirect, now: float) -> bool:
+        """R13, for whoever posts a write this endpoint emitted: True while `now` (our clock) is within our lease
+        towards its peer and the write was emitted under our current incarnation towards that peer. A `Fenced`
+        since then started a new epoch: the peer gave those writes up (and may have reused their space), and the
+        lease it renews for the new epoch must never carry them."""
+        return now < self.lease_until(write.peer) and write.writer_epoch == self.epoch_towards(write.peer)
 
     def pending_retries(self) -> int:
         """Requests still waiting for their answer."""

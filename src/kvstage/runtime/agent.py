@@ -93,7 +93,7 @@ from kvstage.runtime.outbox import (
     ParkedSends,
 )
 from kvstage.transport.auth import FrameAuth
-from kvstage.transport.bootstrap import BootstrapClient, PeerRecord, check_compatible
+from kvstage.transport.bootstrap import BootstrapClient, PeerRecord
 from kvstage.transport.control import ControlChannel
 from kvstage.transport.data import (
     DataTransport,
@@ -247,8 +247,9 @@ class BaseAgent(ABC):
     def connect(self, instance: str, tp_size: int, timeout_s: float = 30.0) -> tuple[str, ...]:
         """Rendezvous with every rank of peer `instance` (blocking: call at start-up, not per request).
 
-        Waits until all `tp_size` ranks are registered, checks each one's layout against this agent's
-        (`CompatibilityError` naming both values on a mismatch) and returns their peer ids by rank.
+        Waits until all `tp_size` ranks are registered, checks each one against this agent as every record is
+        checked when it arrives (`check_peer`: layout, backend and lease timing; `ConfigError`, a
+        `CompatibilityError` for the layout, naming both values on a mismatch) and returns their peer ids by rank.
         """
         client = self._bootstrap_client()
         try:
@@ -256,7 +257,7 @@ class BaseAgent(ABC):
         finally:
             client.close()
         for record in records:
-            check_compatible(self.config.layout, record, me=f"{self.role} rank {self.peer_id!r}")
+            check_peer(self.config, self.role, self.peer_role, record)
         return tuple(record.peer_id for record in records)
 
     def abort(self, room: int) -> None:

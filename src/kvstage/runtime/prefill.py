@@ -12,12 +12,13 @@ fails its room with the reason.
 Invariants: a gather starts only once its staging slot no longer overlaps a write still in flight; a write goes
 only into memory of the decode session that granted it (`dst_session`), never into the ring or pool of a
 restarted incarnation (a grant from a newer session waits, bounded by the liveness timeout, for that session's
-record); a write is posted only while this writer's lease towards its decode peer holds (R13, re-checked at the
-moment of posting; a write waits for a lapsed lease, as does one its transport refused for one before any
-byte moved, and fails if the peer is fenced); every write ends in exactly
-one Completion, queued ones included (a completion frees its peer's window for the next); a room's slots are kept
-only while the endpoint holds the room ACTIVE and dropped with its outcome, and a gather uses them only for the very
-pages its write names. Called by prefill engines through `kvstage.runtime`.
+record); a write is posted only while `endpoint.may_post` holds (R13: this writer's lease towards its decode
+peer, re-checked at the moment of posting, and the epoch the write was emitted under still current; a write waits
+for a lapsed lease, as does one its transport refused for one before any byte moved, and fails unposted once the
+peer is fenced or has fenced this writer's epoch); every write ends in exactly one Completion, queued ones
+included (a completion frees its peer's window for the next); a room's slots are kept only while the endpoint holds
+the room ACTIVE and dropped with its outcome, and a gather uses them only for the very pages its write names.
+Called by prefill engines through `kvstage.runtime`.
 """
 
 from __future__ import annotations
@@ -73,6 +74,7 @@ NO_LOCAL_POOL = "this rank's KV pool is on {device}; the data transports write h
 NO_ENGINE_DIRECT = "this rank's KV is the engine's own (EngineKV), which the direct path cannot read: staged only"
 NO_POOL = "the decode peer exported no KV pool for the direct path (the local backend cannot export engine memory)"
 FENCED_PEER = "the decode peer was fenced before this write could be posted"
+FENCED_BY_DECODE = "the decode peer fenced this writer's epoch before this write could be posted"
 
 
 @dataclass(frozen=True, slots=True)
@@ -390,18 +392,41 @@ class PrefillAgent(BaseAgent):
         )
 
     def _submit_queued(self, peer: str) -> None:
-        """Post `peer`'s queued writes in order while its window has room and this writer's lease towards it holds.
+        """Post `peer`'s queued writes in order while its window has room and the endpoint lets them be posted.
 
-        R13: a write is posted only at a moment when `now < endpoint.lease_until(peer)`, the lease the decode peer
-        renews with every frame it sends; decode relies on it to know when a fenced writer's writes can no longer
-        land. A write waiting for a lapsed lease is re-checked every turn; it fails if the peer is fenced."""
+        R13: a write is posted only at a moment when `endpoint.may_post` holds: this writer's lease towards the peer
+        (renewed by every frame the peer sends) has not run out, and the write was emitted under the writer's
+        current epoch towards the peer. Decode relies on it to know when a fenced writer's writes can no longer
+        land. A write waiting for a lapsed lease is re-checked every turn; one whose target memory was forgotten
+        (the peer fenced or replaced) or whose epoch has passed (the peer fenced us) fails without being posted."""
         queued = self._queued.get(peer)
+        if queued:
+            self._drop_unpostable(peer, queued)
         while queued and self._in_flight_to(peer) < self.config.writes_per_peer:
-            if time.monotonic() >= self.endpoint.lease_until(peer):
+            if not self.endpoint.may_post(queued[0][0].action, time.monotonic()):
                 return
             self._submit(*queued.popleft())
         if not queued:
             self._queued.pop(peer, None)
+
+    def _drop_unpostable(self, peer: str, queued: deque[_Ready]) -> None:
+        """Fail, unposted, every queued write that no renewed lease may carry: its epoch towards `peer` has passed,
+        or its target memory is no longer the peer's."""
+        epoch = self.endpoint.epoch_towards(peer)
+        keep: list[_Ready] = []
+        dropped: list[tuple[_Write, str]] = []
+        for ready in queued:
+            write = ready[0]
+            if write.action.writer_epoch != epoch:
+                dropped.append((write, f"{FENCED_BY_DECODE} ({peer})"))
+            elif not self._still_target(write):
+                dropped.append((write, f"{FENCED_PEER} ({peer})"))
+            else:
+                keep.append(ready)
+        queued.clear()
+        queued.extend(keep)
+        for write, reason in dropped:  # after the queue is consistent: a completion may queue new writes
+            self._end_unposted(write, reason)
 
     def _poll_transport(self) -> None:
         for done in self.transport.poll():
@@ -419,7 +444,8 @@ class PrefillAgent(BaseAgent):
                 continue
             if write.slot is not None:
                 self._slab.free(write.slot)
-            reason = "" if done.ok else f"transfer failed: {done.reason}"
+            # the endpoint tells "lease expired" (the write never started) from other failures by this reason
+            reason = done.reason if done.ok or done.reason == LEASE_EXPIRED else f"transfer failed: {done.reason}"
             self._complete(write.action.token, done.ok, reason, done.peer_gone)
             self._submit_queued(write.action.peer)
 

@@ -62,12 +62,12 @@ class DataPlane(WorldCore):
             self._post_write(node, action)
 
     def _lease_ok(self, node: Node, action: WriteRegion | WriteDirect) -> bool:
-        """The runtime's check at the moment of posting: the writer's lease towards the decode peer, read with
-        the writer's own clock, has not run out (docs/protocol.md, R13); else the write is answered
-        `lease expired` and never posted."""
+        """The runtime's check at the moment of posting, `may_post` read with the writer's own clock: its lease
+        towards the decode peer has not run out and the write's epoch is still current (docs/protocol.md, R13);
+        else the write is answered `lease expired` and never posted."""
         endpoint = node.endpoint
         assert isinstance(endpoint, PrefillEndpoint)
-        if node.clock.read(self.queue.now) < endpoint.lease_until(action.peer):
+        if endpoint.may_post(action, node.clock.read(self.queue.now)):
             return True
         self.trace.record(self.queue.now, node.peer_id, "lease expired", describe(action))
         self.feed(node, Completion(action.token, False, reasons.LEASE_EXPIRED))

@@ -216,7 +216,8 @@ class Completion:
 
     `peer_gone` is the transport's cause of a failure, where the backend knows it: the peer's process or session
     is gone (local: the owner pid exited or released the segment; nixl: NIXL_ERR_REMOTE_DISCONNECT; mooncake:
-    nothing listens on the peer's handshake port any more). The writer then fails the room as "peer dead"."""
+    the owner's pid exited, when it runs on this host, else nothing listens on its handshake port any more). The
+    writer then fails the room as "peer dead"."""
 
     transfer_id: int
     ok: bool
