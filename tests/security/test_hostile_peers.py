@@ -9,7 +9,8 @@ member, which docs/security.md leaves out of the threat model; with one, such fr
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import msgspec
 import pytest
@@ -154,13 +155,26 @@ def test_chunk_indices_beyond_the_room_or_the_wire_bound_grow_nothing_and_leave_
         deployment.close()
 
 
+@contextmanager
+def _strangers_at_prefill(caps: Caps) -> Iterator[tuple[Deployment, list[PrefillAgent], list[Stranger]]]:
+    """A deployment, a prefill instance "P" serving it, and a stranger at each prefill rank's control socket."""
+    deployment = Deployment(caps)
+    prefill = prefill_instance("P", deployment.bootstrap.address, caps)
+    strangers = [Stranger(agent.channel.address) for agent in prefill]
+    try:
+        yield deployment, prefill, strangers
+    finally:
+        for stranger in strangers:
+            stranger.close()
+        for agent in prefill:
+            agent.close()
+        deployment.close()
+
+
 def test_a_strangers_metadata_and_abort_never_fail_a_later_room_on_a_prefill_rank() -> None:
     """Found in review: one Metadata for a made-up room made a stranger count as a decode rank on prefill, and its
     Abort of a room not attached yet closed that room id there, so the real room failed when it came."""
-    deployment = Deployment(Caps(timing=PATIENT))
-    prefill = prefill_instance("P", deployment.bootstrap.address, deployment.caps)
-    strangers = [Stranger(agent.channel.address) for agent in prefill]
-    try:
+    with _strangers_at_prefill(Caps(timing=PATIENT)) as (deployment, prefill, strangers):
         metadata = Metadata(room=999, decode_rank=0, decode_tp=1, prefill_tp=2, num_tokens=24, prefix_tokens=0,
                             chunk_tokens=8, page_size=4, path="staged", epoch=1, ttl_s=10.0)  # fmt: skip
         for stranger in strangers:
@@ -170,35 +184,19 @@ def test_a_strangers_metadata_and_abort_never_fail_a_later_room_on_a_prefill_ran
         assert all(not a.endpoint.peers() for a in prefill), "a stranger reached a prefill endpoint"
         for room in (42, 43):
             assert all(o.ok for o in deployment.run_room(room, "P", prefill)), room
-    finally:
-        for stranger in strangers:
-            stranger.close()
-        for agent in prefill:
-            agent.close()
-        deployment.close()
 
 
 def test_strangers_that_keep_talking_never_lock_a_decode_rank_out_of_a_prefill_rank() -> None:
     """Found in review: a prefill rank learns its decode ranks only from their frames, and strangers that kept
     sending heartbeats held every one of its `max_peers` peer entries, so a real decode rank's Metadata was refused
     ("too many peers") and its rooms timed out."""
-    caps = Caps(timing=PATIENT, limits=Limits(max_peers=4))
-    deployment = Deployment(caps)
-    prefill = prefill_instance("P", deployment.bootstrap.address, caps)
-    strangers = [Stranger(agent.channel.address) for agent in prefill]
-    try:
+    with _strangers_at_prefill(Caps(timing=PATIENT, limits=Limits(max_peers=4))) as (deployment, prefill, strangers):
         for room in range(1, 4):
             for stranger in strangers:  # more chatty strangers than the prefill ranks track peers, between rooms
                 for i in range(8):
                     stranger.send(f"ghost-{i}/0", Heartbeat())
             assert all(o.ok for o in deployment.run_room(room, "P", prefill)), room
         assert all(set(a.endpoint.peers()) == {"D/0"} for a in prefill), "only the decode rank reached the endpoints"
-    finally:
-        for stranger in strangers:
-            stranger.close()
-        for agent in prefill:
-            agent.close()
-        deployment.close()
 
 
 def test_frames_under_a_writers_id_but_not_its_registered_session_never_change_its_room() -> None:
