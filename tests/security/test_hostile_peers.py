@@ -18,7 +18,7 @@ from deployment import PATIENT, Caps, Deployment, Stranger, prefill_instance, st
 
 from kvstage.protocol import Limits
 from kvstage.protocol.messages import PROTOCOL_VERSION, Abort, Heartbeat, Metadata, StagingRequest
-from kvstage.runtime import PrefillAgent
+from kvstage.runtime import DecodeAgent, PrefillAgent
 from kvstage.runtime.outbox import PEER_QUEUE_FULL, STALE_SESSION, UNREGISTERED, UNVERIFIED, ParkLimits
 
 
@@ -36,8 +36,8 @@ def _handled(deployment: Deployment, frames: int) -> Callable[[], bool]:
     return lambda: agent.channel.received >= frames and agent._inbox == 0
 
 
-def _rejected(agent: object, reason: str) -> float:
-    return float(agent.metrics.value("kvstage_rejected_frames_total", reason=reason))  # type: ignore[attr-defined]
+def _rejected(agent: DecodeAgent, reason: str) -> float:
+    return agent.metrics.value("kvstage_rejected_frames_total", reason=reason)
 
 
 def _serve(deployment: Deployment, room: int, prefill: list[PrefillAgent]) -> None:

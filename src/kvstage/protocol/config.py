@@ -1,9 +1,10 @@
 """Static configuration of the protocol endpoints: timing, caps, and each side's identity and layout.
 
-Owns: `Timing` (heartbeats, liveness, retry backoff, the writer lease), `lease_gaps` (whether a decode rank's
-timing covers a writer's lease, across two instances configured apart), `Limits` (per-peer caps that keep state
-bounded, R10), `DecodeConfig` and `PrefillConfig`. Validation happens here, at construction, so an endpoint never starts
-with a configuration it cannot serve (R12: staging requires `validate_staging_config` to pass).
+Owns: `Timing` (heartbeats, liveness, retry backoff, the writer lease), `quarantine` (how long a writer's writes
+may land after decode last heard it), `lease_gaps` (whether a decode rank's timing covers a writer's lease, across
+two instances configured apart), `Limits` (per-peer caps that keep state bounded, R10), `DecodeConfig` and
+`PrefillConfig`. Validation happens here, at construction, so an endpoint never starts with a configuration it
+cannot serve (R12: staging requires `validate_staging_config` to pass).
 
 Called by: runtime/ and sim/ (build), decode.py / prefill.py (read). Pure values.
 """
@@ -20,6 +21,12 @@ from kvstage.protocol.messages import MAX_PEER_ID_LEN, MAX_TP
 
 #: `Timing.lease_s` and `Timing.max_write_s` left at 0 become this share of `dead_after_s` each.
 LEASE_SHARE: Final = 0.45
+
+
+def quarantine(lease_s: float, max_write_s: float, drift: float) -> float:
+    """How long after decode last heard a writer its writes may still land, in decode's clock: the lease and the
+    write bound, stretched by both clocks' drift (docs/protocol.md, "Writer leases")."""
+    return (lease_s + max_write_s) * (1 + drift) / (1 - drift)
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,7 +71,7 @@ class Timing:
     @property
     def quarantine_s(self) -> float:
         """How long after decode last heard from a writer one of its writes may still land, in decode's clock."""
-        return (self.lease_s + self.max_write_s) * (1 + self.clock_drift) / (1 - self.clock_drift)
+        return quarantine(self.lease_s, self.max_write_s, self.clock_drift)
 
     def problems(self) -> list[str]:
         """Why this timing is unsafe or unworkable (empty when it is fine)."""
@@ -120,8 +127,8 @@ def lease_gaps(decode: LeaseTerms, writer: LeaseTerms) -> list[str]:
     restarted writer's at its own `quarantine_s` (from its own `lease_s`, `max_write_s` and `clock_drift`): both
     must be at least `need`."""
     drift = max(decode.clock_drift, writer.clock_drift)
-    need = (writer.lease_s + writer.max_write_s) * (1 + drift) / (1 - drift)
-    own = (decode.lease_s + decode.max_write_s) * (1 + decode.clock_drift) / (1 - decode.clock_drift)
+    need = quarantine(writer.lease_s, writer.max_write_s, drift)
+    own = quarantine(decode.lease_s, decode.max_write_s, decode.clock_drift)
     terms = (
         f"the writer's quarantine {need:.6g} = (lease_s={writer.lease_s} + max_write_s={writer.max_write_s}) * "
         f"(1 + drift) / (1 - drift) with drift={drift}, the larger clock_drift of the two"

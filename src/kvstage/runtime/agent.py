@@ -450,7 +450,7 @@ class BaseAgent(ABC):
         if sender in self._incompatible or (record is not None and session < record.session):
             self.metrics.frame_rejected(INCOMPATIBLE_SENDER if sender in self._incompatible else STALE_SESSION)
             return False
-        asked = sender in self._held.peers() or self.resolver.want(sender)  # ask once per holding, not per frame
+        asked = self._held.holds(sender) or self.resolver.want(sender)  # ask once per holding, not per frame
         if not asked:
             self.metrics.frame_rejected(f"{UNVERIFIED}: too many unresolved peers")
             return False

@@ -93,6 +93,10 @@ class ParkedSends:
     def peers(self) -> frozenset[str]:
         return frozenset(self._queues)
 
+    def holds(self, peer: str) -> bool:
+        """Whether anything is parked for `peer`."""
+        return peer in self._queues
+
     def park(self, peer: str, envelope: Envelope, nbytes: int, now: float, pinned: bool = False) -> list[Failed]:
         """Park `envelope` (`nbytes` encoded) for `peer`. Returns what failed: this envelope if a cap refused it,
         or the envelopes of the peers it evicted. A `pinned` send keeps its peer from being evicted."""

@@ -400,33 +400,29 @@ class PrefillAgent(BaseAgent):
         land. A write waiting for a lapsed lease is re-checked every turn; one whose target memory was forgotten
         (the peer fenced or replaced) or whose epoch has passed (the peer fenced us) fails without being posted."""
         queued = self._queued.get(peer)
-        if queued:
-            self._drop_unpostable(peer, queued)
-        while queued and self._in_flight_to(peer) < self.config.writes_per_peer:
-            if not self.endpoint.may_post(queued[0][0].action, time.monotonic()):
+        while queued:
+            write = queued[0][0]
+            why = self._unpostable(write)  # epochs only grow, so a passed epoch's writes are ahead of the others
+            if why:  # (and a fence of the peer empties its queue at once, `_peer_fenced`)
+                queued.popleft()
+                self._end_unposted(write, why)
+                continue
+            if self._in_flight_to(peer) >= self.config.writes_per_peer:
+                return
+            if not self.endpoint.may_post(write.action, time.monotonic()):
                 return
             self._submit(*queued.popleft())
-        if not queued:
-            self._queued.pop(peer, None)
+        self._queued.pop(peer, None)
 
-    def _drop_unpostable(self, peer: str, queued: deque[_Ready]) -> None:
-        """Fail, unposted, every queued write that no renewed lease may carry: its epoch towards `peer` has passed,
-        or its target memory is no longer the peer's."""
-        epoch = self.endpoint.epoch_towards(peer)
-        keep: list[_Ready] = []
-        dropped: list[tuple[_Write, str]] = []
-        for ready in queued:
-            write = ready[0]
-            if write.action.writer_epoch != epoch:
-                dropped.append((write, f"{FENCED_BY_DECODE} ({peer})"))
-            elif not self._still_target(write):
-                dropped.append((write, f"{FENCED_PEER} ({peer})"))
-            else:
-                keep.append(ready)
-        queued.clear()
-        queued.extend(keep)
-        for write, reason in dropped:  # after the queue is consistent: a completion may queue new writes
-            self._end_unposted(write, reason)
+    def _unpostable(self, write: _Write) -> str:
+        """Why no renewed lease may ever carry `write` (its epoch towards its peer has passed, or its target memory
+        is no longer the peer's), or "" while it may still be posted."""
+        peer = write.action.peer
+        if write.action.writer_epoch != self.endpoint.epoch_towards(peer):
+            return f"{FENCED_BY_DECODE} ({peer})"
+        if not self._still_target(write):
+            return f"{FENCED_PEER} ({peer})"
+        return ""
 
     def _poll_transport(self) -> None:
         for done in self.transport.poll():

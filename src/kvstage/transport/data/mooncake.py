@@ -86,12 +86,11 @@ class _MooncakeRef(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 @dataclass(frozen=True, slots=True)
 class _Write:
-    """One write for a worker: `slices` from local memory at `src` into the peer engine `session`'s memory at `dst`."""
+    """One write for a worker: `slices` from local memory at `src` into `peer`'s memory at its region's address."""
 
     transfer_id: int
     peer: _MooncakeRef
     src: int
-    dst: int
     slices: tuple[Slice, ...]
     bound: WriteBound
 
@@ -165,7 +164,7 @@ class MooncakeTransport(DataTransport):
         self, transfer_id: int, src: LocalRegion, dst: RemoteRegion, slices: Sequence[Slice], bound: WriteBound
     ) -> str:
         peer = self._peers[dst.key]
-        self._writer.submit(_Write(transfer_id, peer, src.address, peer.address, tuple(slices), bound))
+        self._writer.submit(_Write(transfer_id, peer, src.address, tuple(slices), bound))
         return ""
 
     def _run(self, write: _Write) -> Completion:
@@ -177,7 +176,7 @@ class MooncakeTransport(DataTransport):
             rc = self._engine.batch_transfer_sync_write(
                 write.peer.session,
                 [write.src + s_off for s_off, _, _ in piece],
-                [write.dst + d_off for _, d_off, _ in piece],
+                [write.peer.address + d_off for _, d_off, _ in piece],
                 [length for _, _, length in piece],
             )
             if rc == 0:
