@@ -227,20 +227,31 @@ def prefill_names(pump: Pump, instance: int = 0) -> list[str]:
     return [prefill_name(instance, r) for r in range(tp)]
 
 
-def expect(pump: Pump, room: int, num_tokens: int, *, prefix: int = 0, deadline: float = 30.0, instance: int = 0):
+def expect(
+    pump: Pump,
+    room: int,
+    num_tokens: int,
+    *,
+    prefix: int = 0,
+    deadline: float = 30.0,
+    instance: int = 0,
+    prompt: bytes = b"",
+):
     """Register `room` on every decode rank (pages numbered from room*1000)."""
     peers = tuple(prefill_names(pump, instance))
     for name in decode_names(pump):
         ep = pump.endpoints[name]
         page_size = ep.config.layout.page_size
         pages = tuple(room * 1000 + i for i in range(-(-num_tokens // page_size)))
-        pump.call(name, ExpectRoom(room, peers, num_tokens, prefix, pages, deadline))
+        pump.call(name, ExpectRoom(room, peers, num_tokens, prefix, pages, deadline, prompt))
 
 
-def attach(pump: Pump, room: int, num_tokens: int, *, deadline: float = 30.0, instance: int = 0) -> None:
+def attach(
+    pump: Pump, room: int, num_tokens: int, *, deadline: float = 30.0, instance: int = 0, prompt: bytes = b""
+) -> None:
     decode_tp = len(decode_names(pump))
     for name in prefill_names(pump, instance):
-        pump.call(name, AttachRoom(room, num_tokens, decode_tp, deadline))
+        pump.call(name, AttachRoom(room, num_tokens, decode_tp, deadline, prompt))
 
 
 def compute(pump: Pump, room: int, end: int, *, instance: int = 0) -> None:

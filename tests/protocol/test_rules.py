@@ -13,6 +13,7 @@ from protocol_harness import (
     attach,
     compute,
     decode,
+    decode_names,
     expect,
     full_room,
     inject,
@@ -20,6 +21,7 @@ from protocol_harness import (
     make_pump,
     metadata,
     prefill,
+    prefill_names,
     sends_from,
     sent,
     writes_of,
@@ -664,6 +666,41 @@ def test_metadata_that_disagrees_with_the_layout_is_rejected_with_an_abort() -> 
     actions = inject(pump, "p0", "d0", bad)
     assert sent(actions, Abort)[0].reason == reasons.BAD_METADATA
     assert not sent(actions, StagingRequest)
+
+
+def test_a_room_whose_prefill_engine_computes_another_prompt_fails_instead_of_landing() -> None:
+    pump = make_pump()
+    expect(pump, 1, 16, prompt=b"prompt decode holds")
+    attach(pump, 1, 16, prompt=b"another prompt")
+    compute(pump, 1, 16)
+    pump.advance(5.0)
+    assert pump.outcome("p0", 1) == reasons.BAD_METADATA
+    assert pump.outcome("d0", 1) == reasons.ABORTED_BY_PREFILL
+    assert not pump.actions_of("p0", WriteRegion) and not pump.actions_of("p0", WriteDirect)
+    assert all_quiescent(pump)
+
+
+def test_a_room_with_the_same_prompt_digest_on_both_sides_succeeds() -> None:
+    pump = make_pump()
+    expect(pump, 1, 16, prompt=b"same")
+    attach(pump, 1, 16, prompt=b"same")
+    compute(pump, 1, 16)
+    pump.run()
+    assert {pump.outcome(name, 1) for name in pump.endpoints} == {"ok"}
+
+
+def test_a_request_the_prefill_engine_gives_up_before_attaching_fails_decodes_room_at_once() -> None:
+    pump = make_pump(heads=8, prefill_tp=2, decode_tp=2)
+    expect(pump, 1, 32)
+    pump.run()  # every prefill rank holds decode's Metadata, waiting for its engine to attach the room
+    for name in prefill_names(pump):
+        pump.call(name, AbortRoom(1))
+    pump.advance(1.0)  # far below the room's 30 s deadline
+    assert {pump.outcome(name, 1) for name in decode_names(pump)} == {reasons.ABORTED_BY_PREFILL}
+    attach(pump, 1, 32)  # the engine's attach, should it still come, finds the room closed
+    assert pump.outcome("p0", 1) == reasons.ABORTED_BY_PREFILL
+    pump.advance(5.0)
+    assert all_quiescent(pump)
 
 
 # ---- R11 no over-commit -------------------------------------------------------------------------------------------

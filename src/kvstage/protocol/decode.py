@@ -36,6 +36,7 @@ from kvstage.protocol.events import AbortRoom, ExpectRoom
 from kvstage.protocol.messages import (
     DIRECT,
     MAX_CHUNKS,
+    MAX_DIGEST_LEN,
     Abort,
     AbortAck,
     ChunkAck,
@@ -89,6 +90,7 @@ class _Room:
     bound: dict[str, tuple[int, int]] = field(default_factory=dict)  # writer -> incarnation that served the room
     pages_returned: bool = False
     regions_freed: bool = False
+    prompt: bytes = b""  # digest of the prompt's tokens, sent in Metadata (empty: unchecked)
 
     @property
     def all_writers(self) -> int:
@@ -183,6 +185,7 @@ class DecodeEndpoint(EndpointCore):
                 ttl_s=ttl,
                 pages=r.pages if r.path == DIRECT else (),
                 ring_bytes=0 if r.path == DIRECT else self._ring.capacity_bytes,
+                prompt=r.prompt,
             )
             self._request("meta", peer_id, metadata, slot)
 
@@ -199,6 +202,9 @@ class DecodeEndpoint(EndpointCore):
                 f"room {event.room}: prefix_tokens={event.prefix_tokens} must be a multiple of page_size="
                 f"{page_size} below num_tokens={event.num_tokens}"
             )
+        if len(event.prompt) > MAX_DIGEST_LEN:
+            raise InvalidRequest(f"room {event.room}: a prompt digest of at most {MAX_DIGEST_LEN} bytes, got "
+                                 f"{len(event.prompt)}")  # fmt: skip
         if len(event.pages) != pages_for(event.num_tokens, page_size):
             raise InvalidRequest(
                 f"room {event.room}: {len(event.pages)} pages given, {pages_for(event.num_tokens, page_size)} needed "
@@ -227,6 +233,7 @@ class DecodeEndpoint(EndpointCore):
             epoch=self._room_epoch,
             plan_full=plan_full,
             plan_last=plan_last,
+            prompt=event.prompt,
         )
         DECODE_ROOM.move(r, _T.EXPECT, r.room)
         self._rooms[r.room] = r

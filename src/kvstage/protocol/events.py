@@ -39,7 +39,8 @@ class ExpectRoom:
     hold tokens [0, num_tokens), `ceil(num_tokens / page_size)` of them; tokens [0, prefix_tokens) are already
     there (decode-side prefix cache) and are not transferred. `prefill_peers[r]` is the peer id of prefill rank
     r of the instance that computes the room (so len(prefill_peers) is that instance's TP size). `deadline`
-    is absolute, in the caller's clock."""
+    is absolute, in the caller's clock. `prompt` is a digest of the prompt's tokens (empty: unchecked); the
+    prefill side fails the room if its engine's prompt has another digest."""
 
     room: int
     prefill_peers: tuple[str, ...]
@@ -47,6 +48,7 @@ class ExpectRoom:
     prefix_tokens: int
     pages: tuple[int, ...]
     deadline: float
+    prompt: bytes = b""
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,12 +56,14 @@ class AttachRoom:
     """Prefill engine: this rank computes `room` of `num_tokens` tokens for a decode instance of TP `decode_tp`.
 
     The prefill endpoint then waits for Metadata from every decode rank it writes to (none, if this rank's heads
-    are all served by replicas: the room then succeeds at once)."""
+    are all served by replicas: the room then succeeds at once). `prompt` is the digest of the prompt the engine
+    computes (empty: unchecked); a decode rank whose Metadata names another prompt fails the room."""
 
     room: int
     num_tokens: int
     decode_tp: int
     deadline: float
+    prompt: bytes = b""
 
 
 @dataclass(frozen=True, slots=True)

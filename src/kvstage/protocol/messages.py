@@ -43,8 +43,8 @@ import msgspec
 from msgspec import Meta
 
 #: Bumped on any incompatible change to a body or the envelope; a frame of another version is rejected.
-#: Version 2 added the lease clocks `Envelope.stamp` and `Envelope.echo`.
-PROTOCOL_VERSION: Final = 2
+#: Version 2 added the lease clocks `Envelope.stamp` and `Envelope.echo`; version 3 `Metadata.prompt`.
+PROTOCOL_VERSION: Final = 3
 
 # ---- hard bounds, checked at decode time (before an endpoint sees the message) -------------------------------
 MAX_ID: Final = 2**63 - 1
@@ -57,6 +57,7 @@ MAX_PAGES: Final = 2**21
 MAX_PAGE_ID: Final = 2**40
 MAX_BYTES: Final = 2**62
 MAX_CLOCK: Final = 1e12  # seconds of a monotonic clock (about 31,000 years)
+MAX_DIGEST_LEN: Final = 32
 
 RoomId = Annotated[int, Meta(ge=0, le=MAX_ID)]
 Count = Annotated[int, Meta(ge=0, le=MAX_ID)]
@@ -71,6 +72,7 @@ Reason = Annotated[str, Meta(max_length=MAX_REASON_LEN)]
 PeerId = Annotated[str, Meta(min_length=1, max_length=MAX_PEER_ID_LEN)]
 Seconds = Annotated[float, Meta(ge=0.0, le=1e7)]
 ClockReading = Annotated[float, Meta(ge=0.0, le=MAX_CLOCK)]  # NaN and infinities are refused too
+Digest = Annotated[bytes, Meta(max_length=MAX_DIGEST_LEN)]
 Path = Literal["staged", "direct"]
 
 STAGED: Final = "staged"
@@ -99,7 +101,9 @@ class Metadata(_Body, frozen=True, tag="meta"):
     `pages` are D's KV pages for tokens [0, num_tokens) and are sent only on the direct path (empty when
     staged); `ring_bytes` is D's ring capacity on the staged path, so P can refuse a grant outside the ring.
     `epoch` fences direct-path writes (staged rooms use per-chunk allocation epochs). `ttl_s` is how long the
-    room may still live, relative to the receiver's clock when it arrives.
+    room may still live, relative to the receiver's clock when it arrives. `prompt` is a digest of the room's
+    prompt tokens as the decode engine knows them (empty: not checked); P fails a room whose engine computes
+    another prompt, so a misrouted room never lands.
     """
 
     room: RoomId
@@ -115,6 +119,7 @@ class Metadata(_Body, frozen=True, tag="meta"):
     ttl_s: Seconds
     pages: Pages = ()
     ring_bytes: ByteOffset = 0  # staged: capacity of D's ring, so a grant beyond it is refused (0: unknown)
+    prompt: Digest = b""
 
 
 class MetadataAck(_Body, frozen=True, tag="meta_ack"):

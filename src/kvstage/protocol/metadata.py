@@ -45,13 +45,20 @@ def metadata_problem(config: PrefillConfig, m: Metadata) -> str | None:
 
 
 def attached_metadata_problem(
-    config: PrefillConfig, m: Metadata, num_tokens: int, decode_tp: int, linked_ranks: Container[int]
+    config: PrefillConfig,
+    m: Metadata,
+    num_tokens: int,
+    decode_tp: int,
+    linked_ranks: Container[int],
+    prompt: bytes = b"",
 ) -> str | None:
-    """`metadata_problem`, and whether `m` fits the attached room (`num_tokens`, `decode_tp`) whose decode ranks
-    `linked_ranks` already sent theirs."""
+    """`metadata_problem`, and whether `m` fits the attached room (`num_tokens`, `decode_tp`, and the digest of
+    its `prompt` when both sides give one) whose decode ranks `linked_ranks` already sent theirs."""
     problem = metadata_problem(config, m)
     if problem is None and (m.num_tokens != num_tokens or m.decode_tp != decode_tp):
         problem = "metadata disagrees with the attached room"
+    if problem is None and m.prompt and prompt and m.prompt != prompt:
+        problem = "metadata for another prompt (a misrouted room)"
     if problem is None and m.decode_rank in linked_ranks:
         problem = "two peers claim the same decode rank"
     return problem

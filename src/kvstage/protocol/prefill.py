@@ -123,9 +123,7 @@ class PrefillEndpoint(EndpointCore):
                 raise InvalidRequest(f"room {event.room} already completed on {cfg.peer_id}; room ids are unique")
             self.stats.failures[reason] += 1  # decode aborted it before the engine attached it
             self._out.append(RoomFailed(event.room, reason))
-            for peer_id in list(self._pending.get(event.room, {})):  # other decode ranks of the room learn it now
-                self._send(peer_id, Abort(room=event.room, reason=reason))
-                self._drop_pending(event.room, peer_id)
+            self._abort_pending(event.room, reason)  # other decode ranks of the room learn it now
             return
         if event.num_tokens < 1:
             raise InvalidRequest(f"room {event.room}: num_tokens must be positive, got {event.num_tokens}")
@@ -134,7 +132,9 @@ class PrefillEndpoint(EndpointCore):
         except ConfigError as exc:
             raise InvalidRequest(f"room {event.room}: decode_tp={event.decode_tp} is unusable: {exc}") from exc
         self.stats.rooms_opened += 1
-        r = WriterRoom(event.room, event.num_tokens, event.decode_tp, event.deadline, frozenset(targets))
+        r = WriterRoom(
+            event.room, event.num_tokens, event.decode_tp, event.deadline, frozenset(targets), prompt=event.prompt
+        )
         if not r.targets:  # every head this rank holds is written by a replica
             self._succeed(r, _T.ATTACH_NOTHING)
             return
@@ -169,9 +169,21 @@ class PrefillEndpoint(EndpointCore):
         self._pump(r)
 
     def _on_abort_room(self, event: AbortRoom) -> None:
+        if event.room not in self._rooms and event.room not in self._closed:
+            # the engine gave the request up before computing any of it: its decode ranks learn it now (those
+            # whose Metadata is here) or when their Metadata comes, instead of at the room's deadline
+            self._closed.remember(event.room, reasons.ABORTED_BY_PREFILL)
+            self._abort_pending(event.room, reasons.ABORTED_BY_PREFILL)
+            return
         r = self._engine_room(event.room)
         if r is not None:
             self._fail(r, reasons.ABORTED_BY_PREFILL)
+
+    def _abort_pending(self, room: int, reason: str) -> None:
+        """Abort `room` towards every decode rank whose Metadata waits for the engine to attach it."""
+        for peer_id in list(self._pending.get(room, {})):
+            self._send(peer_id, Abort(room=room, reason=reason))
+            self._drop_pending(room, peer_id)
 
     def _engine_room(self, room: int) -> WriterRoom | None:
         """The ACTIVE room an engine call names; None if it already ended; InvalidRequest if never attached."""
@@ -217,7 +229,7 @@ class PrefillEndpoint(EndpointCore):
         if not PREFILL_ROOM.can(r, _T.METADATA):
             self._send(peer.peer_id, Abort(room=r.room, reason=r.reason))  # no link, so no write to it
             return
-        problem = attached_metadata_problem(self.config, m, r.num_tokens, r.decode_tp, r.ranks)
+        problem = attached_metadata_problem(self.config, m, r.num_tokens, r.decode_tp, r.ranks, r.prompt)
         if problem is not None:
             self.stats.reject(problem)
             self._send(peer.peer_id, Abort(room=r.room, reason=reasons.BAD_METADATA))

@@ -89,3 +89,4 @@ class WriterRoom:
     owe_ack: dict[str, None] = field(default_factory=dict)  # decode peers that aborted: AbortAck when drained
     lost: dict[str, None] = field(default_factory=dict)  # decode peers gone: no Abort to them
     awaiting: dict[str, None] = field(default_factory=dict)  # decode peers our Abort waits on
+    prompt: bytes = b""  # digest of the prompt the engine computes (empty: unchecked)
