@@ -86,11 +86,14 @@ class DecodeAgent(BaseAgent):
         prefix_tokens: int,
         pages: tuple[int, ...],
         timeout_s: float,
+        prompt: bytes = b"",
     ) -> None:
         """Register `room` before anything is announced (R2). `pages` are the engine's pages for tokens
-        [0, num_tokens); kvstage writes tokens [prefix_tokens, num_tokens) into them until the room's outcome."""
+        [0, num_tokens); kvstage writes tokens [prefix_tokens, num_tokens) into them until the room's outcome.
+        `prompt` is a digest of the prompt's tokens (empty: unchecked): prefill fails a room computing another."""
         deadline = time.monotonic() + timeout_s
-        self._events.put(ExpectRoom(room, tuple(prefill_peers), num_tokens, prefix_tokens, tuple(pages), deadline))
+        pages = tuple(pages)
+        self._events.put(ExpectRoom(room, tuple(prefill_peers), num_tokens, prefix_tokens, pages, deadline, prompt))
 
     # ---- hooks -------------------------------------------------------------------------------------------
 

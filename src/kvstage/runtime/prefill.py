@@ -35,6 +35,7 @@ from kvstage.dataplane import KVPool, KVStore, PoolGeometry, RequestSlots, gathe
 from kvstage.errors import ConfigError, InvalidRequest, KVStageError, StagingOversized
 from kvstage.layout import heads_of_rank
 from kvstage.protocol import (
+    AbortRoom,
     Action,
     AttachRoom,
     ComputeScheduled,
@@ -57,6 +58,7 @@ from kvstage.ring import Allocation, StagingRing, region_ready
 from kvstage.runtime.agent import BaseAgent
 from kvstage.runtime.config import AgentConfig, AgentSnapshot, RoomOutcome
 from kvstage.runtime.copier import CopyDone
+from kvstage.runtime.reclaim import PageClaims
 from kvstage.transport.bootstrap import PeerRecord
 from kvstage.transport.data import (
     LocalRegion,
@@ -131,21 +133,36 @@ class PrefillAgent(BaseAgent):
         self._unresolved: list[tuple[float, WriteRegion | WriteDirect]] = []  # waiting for a newer decode record
         self._queued: dict[str, deque[_Ready]] = {}  # decode peer -> ready writes waiting for its window
         self._slots: dict[int, _RoomSlots] = {}  # active room -> its pages' slots, looked up at kv_ready
+        self._claims = PageClaims()  # the engine's hold on each room's pages, against the gathers reading them
         self.staging_region: LocalRegion
 
     # ---- engine-facing -----------------------------------------------------------------------------------
 
-    def attach_room(self, room: int, num_tokens: int, decode_tp: int, timeout_s: float) -> None:
-        """This rank computes `room` (`num_tokens` tokens) for a decode instance of TP `decode_tp`."""
-        self._events.put(AttachRoom(room, num_tokens, decode_tp, time.monotonic() + timeout_s))
+    def attach_room(self, room: int, num_tokens: int, decode_tp: int, timeout_s: float, prompt: bytes = b"") -> None:
+        """This rank computes `room` (`num_tokens` tokens, whose digest is `prompt`; empty: unchecked) for a decode
+        instance of TP `decode_tp`."""
+        self._events.put(AttachRoom(room, num_tokens, decode_tp, time.monotonic() + timeout_s, prompt))
 
     def compute_scheduled(self, room: int, end_tokens: int) -> None:
         """The next forward pass computes tokens [.., end_tokens) of `room`: staging is requested for them (R11)."""
         self._events.put(ComputeScheduled(room, end_tokens))
 
-    def kv_ready(self, room: int, end_tokens: int, pages: tuple[int, ...]) -> None:
-        """KV of tokens [0, end_tokens) is computed in `pages`; kvstage reads them until the room's outcome."""
+    def kv_ready(
+        self, room: int, end_tokens: int, pages: tuple[int, ...], ready: torch.cuda.Event | None = None
+    ) -> None:
+        """KV of tokens [0, end_tokens) is computed in `pages` (on a GPU: once `ready`, an event on the engine's
+        stream, is done; gathers wait for it on the device); kvstage reads them until the room's outcome."""
+        self._claims.set_ready(room, ready)
         self._events.put(KVReady(room, end_tokens, tuple(pages)))
+
+    def reclaim(self, room: int) -> torch.cuda.Event | None:
+        """The engine takes `room`'s pages back (vLLM preempted its request) and the room is aborted. When this
+        returns, no gather reads the pages any more: on the CPU a running gather has finished; on a GPU the
+        returned event follows every gather queued, and the engine's stream must wait on it before it writes
+        the pages (`PageClaims`). Never blocks on the network."""
+        event = self._claims.reclaim(room)
+        self._events.put(AbortRoom(room))
+        return event
 
     # ---- hooks -------------------------------------------------------------------------------------------
 
@@ -175,6 +192,8 @@ class PrefillAgent(BaseAgent):
         actions = super()._handle(event)
         if isinstance(event, KVReady) and self.endpoint.room_state(event.room) is PrefillRoomState.ACTIVE:
             self._look_up(event)
+        elif isinstance(event, AbortRoom) and self.endpoint.room_state(event.room) is None:
+            self._claims.forget(event.room)  # no room (any more): no gather of it can be left
         return actions
 
     def _look_up(self, event: KVReady) -> None:
@@ -194,15 +213,20 @@ class PrefillAgent(BaseAgent):
             case WriteRegion() | WriteDirect():
                 self._issue(action)
             case RoomSucceeded():
-                self._slots.pop(action.room, None)
+                self._room_ended(action.room)
                 self._outcome(RoomOutcome(action.room, True))
             case RoomFailed():
-                self._slots.pop(action.room, None)
+                self._room_ended(action.room)
                 self._outcome(RoomOutcome(action.room, False, action.reason))
             case Scatter() | FenceScatter() | FreePages() | Send() | FencePeer():
                 raise TypeError(f"prefill agent cannot execute {action!r}")
             case _:
                 assert_never(action)
+
+    def _room_ended(self, room: int) -> None:
+        """Every write of the room has completed (the endpoint ends a room only then): drop what gathers used."""
+        self._slots.pop(room, None)
+        self._claims.forget(room)
 
     def _peer_changed(self, old: PeerRecord | None, record: PeerRecord) -> None:
         held = self._rings.get(record.peer_id)
@@ -320,10 +344,11 @@ class PrefillAgent(BaseAgent):
         def job() -> int:
             heads = (transfer.src_head_start, transfer.num_heads)
             self.pool.geometry.check_heads(*heads)
-            slots = None if known is None else known.of(action, self.pool.layout.page_size)
-            if slots is None:  # no lookup at kv_ready (its pages were refused) or other pages: look up this chunk
-                slots = self.pool.slot_indices(action.src_pages, 0, action.num_tokens)
-            return gather_slots(self.pool, slots, *heads, staging, offset)
+            with self._claims.reading(action.room, self.copier.stream):
+                slots = None if known is None else known.of(action, self.pool.layout.page_size)
+                if slots is None:  # no lookup at kv_ready (its pages were refused) or other pages: this chunk's
+                    slots = self.pool.slot_indices(action.src_pages, 0, action.num_tokens)
+                return gather_slots(self.pool, slots, *heads, staging, offset)
 
         self.copier.submit(action.token, job)
 
@@ -463,7 +488,13 @@ class PrefillAgent(BaseAgent):
             open_rooms=base.open_rooms,
             quiescent=base.quiescent
             and not (
-                self._in_flight or self._waiting or self._unresolved or self._gathering or self._queued or self._slots
+                self._in_flight
+                or self._waiting
+                or self._unresolved
+                or self._gathering
+                or self._queued
+                or self._slots
+                or len(self._claims)
             ),
             writes_in_flight=len(self._in_flight),
             writes_waiting=len(self._waiting) + sum(len(q) for q in self._queued.values()),

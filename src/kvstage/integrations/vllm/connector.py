@@ -4,11 +4,17 @@ Owns the class vLLM instantiates, once in the scheduler process (role SCHEDULER)
 WORKER). It holds the checked settings and delegates: scheduler hooks to `scheduler.SchedulerSide`, worker hooks
 to `worker.WorkerSide`. Each primitive, with the side that calls it:
 
-    scheduler  get_num_new_matched_tokens  update_state_after_alloc  build_connector_meta  request_finished
-               update_connector_output  has_pending_push_work  bind_kv_cache_manager
-    worker     register_kv_caches  bind_connector_metadata (rooms start here, before the forward)
+    scheduler  on_new_request (params checked, a room per request)  get_num_new_matched_tokens
+               update_state_after_alloc  build_connector_meta  request_finished  update_connector_output
+               has_pending_push_work  bind_kv_cache_manager
+    worker     register_kv_caches  handle_preemptions (preempted requests' blocks reclaimed, before the forward)
+               bind_connector_metadata (rooms start here, before the forward)
                start_load_kv / wait_for_layer_load / save_kv_layer (no-ops: kvstage moves KV off the forward path)
                wait_for_save (prefill: the step's KV is ready)  get_transfer_results  shutdown
+
+No per-step hook raises into vLLM: an exception in vLLM's `schedule()` or in a worker's step kills the engine.
+What a client sends is checked on the scheduler side (a bad request runs without kvstage); a failure of kvstage's
+own is logged with its traceback, counted, and ends one request's room (decode recomputes it).
 
 Select it with `--kv-transfer-config '{"kv_connector": "KVStageConnector", "kv_connector_module_path":
 "kvstage.integrations.vllm", "kv_role": "kv_producer" | "kv_consumer", "kv_load_failure_policy": "recompute",
@@ -19,7 +25,8 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -32,7 +39,7 @@ from kvstage.errors import ConfigError
 from kvstage.integrations.vllm.metadata import StepMetadata
 from kvstage.integrations.vllm.scheduler import SchedulerSide
 from kvstage.integrations.vllm.settings import ConnectorSettings
-from kvstage.integrations.vllm.worker import WorkerSide
+from kvstage.integrations.vllm.worker import EngineFacts, Results, WorkerSide
 
 if TYPE_CHECKING:
     import torch
@@ -46,6 +53,8 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger("kvstage.vllm")
+
+_R = TypeVar("_R")
 
 
 def _log_to_stderr() -> None:
@@ -90,17 +99,21 @@ class KVStageConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = SchedulerSide(producer, vllm_config.cache_config.block_size)
         else:
-            self._worker = WorkerSide(settings, vllm_config, producer)
+            self._worker = WorkerSide(settings, engine_facts(vllm_config, producer))
 
     # ---- worker side --------------------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._worker_side().register_kv_caches(kv_caches)
 
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        if isinstance(kv_connector_metadata, StepMetadata):
+            _step_hook("handle_preemptions", self._worker_side().reclaim_preempted, kv_connector_metadata)
+
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
-        assert isinstance(connector_metadata, StepMetadata)
-        self._worker_side().bind(connector_metadata)
+        if isinstance(connector_metadata, StepMetadata):
+            _step_hook("bind_connector_metadata", self._worker_side().bind, connector_metadata)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         """Nothing to start: rooms began at bind_connector_metadata and land asynchronously."""
@@ -114,10 +127,12 @@ class KVStageConnector(KVConnectorBase_V1):
         """Nothing per layer: kvstage reads the step's KV once the forward is done (wait_for_save)."""
 
     def wait_for_save(self) -> None:
-        self._worker_side().wait_for_save()
+        _step_hook("wait_for_save", self._worker_side().wait_for_save)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        results = self._worker_side().transfer_results(finished_req_ids)
+        results = _step_hook("get_transfer_results", self._worker_side().transfer_results) or Results(
+            set(), set(), set()
+        )
         return KVConnectorTransferResults(
             finished_sending=results.finished_sending,
             finished_recving=results.finished_recving,
@@ -133,6 +148,9 @@ class KVStageConnector(KVConnectorBase_V1):
             self._worker.shutdown()
 
     # ---- scheduler side -----------------------------------------------------------------------------------
+
+    def on_new_request(self, request: Request) -> None:
+        self._scheduler_side().on_new_request(request)
 
     def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
         super().bind_kv_cache_manager(kv_cache_manager)
@@ -167,3 +185,43 @@ class KVStageConnector(KVConnectorBase_V1):
         if self._scheduler is None:
             raise ConfigError("kvstage: a scheduler hook was called on a worker's connector")
         return self._scheduler
+
+
+def _step_hook(name: str, call: Callable[..., _R], *args: Any) -> _R | None:
+    """A worker's per-step hook: a failure of kvstage's (a bug) is logged with its traceback and counted, and the
+    step goes on; a raise here would kill vLLM's worker. The rooms it concerned end by their deadline."""
+    try:
+        return call(*args)
+    except Exception:
+        log.exception("kvstage: worker hook %s failed; the engine goes on", name)
+        _HOOK_FAILURES[name] = _HOOK_FAILURES.get(name, 0) + 1
+        return None
+
+
+#: worker hooks that failed, by name (also logged with their tracebacks)
+_HOOK_FAILURES: dict[str, int] = {}
+
+
+def engine_facts(vllm_config: VllmConfig, producer: bool) -> EngineFacts:
+    """What a worker needs to know of vLLM's engine, read from its config (in a worker process: TP rank too)."""
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    model, cache = vllm_config.model_config, vllm_config.cache_config
+
+    def cpu_attention_isa(dtype: torch.dtype) -> str:
+        """The kernel vLLM's CPU attention writes its cache with (it decides the layout of a block)."""
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        return str(_get_attn_isa(dtype, cache.block_size, model.get_head_size(), str(cache.cache_dtype)))
+
+    return EngineFacts(
+        producer=producer,
+        tp_size=vllm_config.parallel_config.tensor_parallel_size,
+        rank=get_tensor_model_parallel_rank(),
+        num_kv_heads=model.get_total_num_kv_heads(),
+        head_dim=model.get_head_size(),
+        block_size=cache.block_size,
+        cache_dtype=str(cache.cache_dtype),
+        gpu_layout=str(getattr(cache, "kv_cache_layout", "")),
+        cpu_attention_isa=cpu_attention_isa,
+    )

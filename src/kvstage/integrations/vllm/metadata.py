@@ -2,7 +2,10 @@
 
 Owns the per-step records: `ExpectRoom` (decode: register a request's room before prefill hears of it),
 `ComputeStep` (prefill: this step computes tokens [.., end_tokens) of a room, in these blocks), `AbortRoom`, and
-`StepMetadata`, their container. Frozen values with no behaviour; built by `scheduler.py`, read by `worker.py`.
+`StepMetadata`, their container, which also lists the requests whose blocks vLLM took back (preempted: reclaimed
+before the forward), the requests whose blocks vLLM holds for kvstage until they are reported sent (prefill), and
+the requests promised remote KV that got no room (decode: reported failed, so vLLM recomputes them). Frozen values
+with no behaviour; built by `scheduler.py`, read by `worker.py`.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ class ExpectRoom:
     num_tokens: int
     prefix_tokens: int
     blocks: tuple[int, ...]
+    prompt: bytes = b""  # digest of the prompt's tokens, checked by prefill
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +42,7 @@ class ComputeStep:
     end_tokens: int
     blocks: tuple[int, ...]
     first: bool
+    prompt: bytes = b""  # digest of the prompt's tokens, checked against decode's Metadata
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,3 +60,6 @@ class StepMetadata(KVConnectorMetadata):
     expect: list[ExpectRoom] = field(default_factory=list)
     compute: list[ComputeStep] = field(default_factory=list)
     abort: list[AbortRoom] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)  # prefill: vLLM freed their blocks; reclaim before forward
+    sending: list[str] = field(default_factory=list)  # prefill: blocks held until get_finished reports them
+    unserved: list[str] = field(default_factory=list)  # decode: promised remote KV, no room: report failed

@@ -1,28 +1,36 @@
 """The connector's worker side: one kvstage agent per vLLM worker (TP rank), over vLLM's own KV tensors.
 
-Owns `WorkerSide`. At `register_kv_caches` it describes vLLM's cache as a `KVLayout` plus an `EngineKV` over the
-very tensors vLLM attends from (no pool of kvstage's, no copy), then starts a `DecodeAgent` (kv_consumer) or a
-`PrefillAgent` (kv_producer) that registers with the bootstrap as rank `tp_rank` of instance `settings.instance`.
-Each step it turns the scheduler side's records into agent calls and the agent's outcomes into vLLM's:
+Owns `WorkerSide` and `EngineFacts` (what it needs to know of the engine; no vLLM import here, so tests build a
+worker side directly). At `register_kv_caches` it describes vLLM's cache as a `KVLayout` plus an `EngineKV` over
+the very tensors vLLM attends from (no pool of kvstage's, no copy), then starts a `DecodeAgent` (kv_consumer) or a
+`PrefillAgent` (kv_producer) that registers with the bootstrap as rank `facts.rank` of instance
+`settings.instance`. Each step it turns the scheduler side's records into agent calls and the agent's outcomes
+into vLLM's:
 
+    reclaim_preempted           prefill: preempted requests' rooms are aborted and their blocks reclaimed
+      (handle_preemptions)      (no gather reads them after this, before the forward can overwrite them)
     bind (before the forward)   decode: expect_room for new rooms      prefill: attach_room (first step) and
                                 both: abort                                      compute_scheduled
-    wait_for_save (after it)                                            prefill: kv_ready (tokens now in blocks)
-    transfer_results            decode: room ok -> finished_recving; room failed -> also failed_recving, so
-                                vLLM recomputes the prompt (never garbage, never a hang)
-                                prefill: room ended -> finished_sending, once vLLM has finished the request
-                                (only then may it free the blocks kvstage was reading)
+    wait_for_save (after it)                                            prefill: kv_ready (tokens now in blocks;
+                                                                        on a GPU behind an event, no host wait)
+    transfer_results            decode: room ok -> finished_recving; room failed (or never started) -> also
+                                failed_recving, so vLLM recomputes the prompt (never garbage, never a hang)
+                                prefill: finished_sending for a request vLLM holds for kvstage (`sending`),
+                                once its room has ended here (only then may it free the blocks kvstage read)
 
-Invariants: every agent call only queues an event (nothing here blocks on the network); every room a worker
-starts ends in exactly one report to vLLM; the tables here are bounded by the rooms in flight.
+Invariants: nothing here raises into vLLM for one request (a failed record is logged and counted, and fails that
+request's room only); every agent call only queues an event (nothing blocks on the network); every room a worker
+starts ends in exactly one report to vLLM, and only requests vLLM still holds are reported; the tables here are
+bounded by the requests in flight.
 """
 
 from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from functools import partial
 
 import torch
 
@@ -38,13 +46,26 @@ from kvstage.runtime import AgentConfig, DecodeAgent, PrefillAgent, peer_id
 from kvstage.transport.auth import load_secret
 from kvstage.transport.data import TransportConfig
 
-if TYPE_CHECKING:
-    from vllm.config import VllmConfig
-
 log = logging.getLogger("kvstage.vllm")
 
 _FP8 = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
 _CUDA_FORMATS = {"LBNHC": KVCacheFormat.VLLM_NHD, "LBHNC": KVCacheFormat.VLLM_HND}
+
+
+@dataclass(frozen=True, slots=True)
+class EngineFacts:
+    """What a worker needs to know of its engine, read from vLLM's config by the connector (`engine_facts`) or
+    given directly (tests): its role, its TP size and rank, the model's KV shape, and the cache's format."""
+
+    producer: bool
+    tp_size: int
+    rank: int
+    num_kv_heads: int  # the model's, over all ranks
+    head_dim: int
+    block_size: int
+    cache_dtype: str = "auto"  # vLLM's cache_config.cache_dtype
+    gpu_layout: str = ""  # vLLM's KV cache layout on a GPU ("LBNHC" or "LBHNC")
+    cpu_attention_isa: Callable[[torch.dtype], str] = lambda _dtype: "vec"  # the CPU kernel for a cache dtype
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,37 +86,36 @@ class _Room:
 
 
 class WorkerSide:
-    """See the module docstring. One per vLLM worker process."""
+    """See the module docstring. One per vLLM worker process; constructible without vLLM (`EngineFacts`)."""
 
-    def __init__(self, settings: ConnectorSettings, vllm_config: VllmConfig, is_producer: bool) -> None:
-        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
-
+    def __init__(self, settings: ConnectorSettings, facts: EngineFacts) -> None:
         self._settings = settings
-        self._config = vllm_config
-        self._producer = is_producer
-        self._tp_size = vllm_config.parallel_config.tensor_parallel_size
-        self._rank = get_tensor_model_parallel_rank()
+        self._facts = facts
+        self._producer = facts.producer
         self._agent: DecodeAgent | PrefillAgent | None = None
         self._kv: EngineKV | None = None
         self._report: RankReport | None = None
-        self._rooms: dict[int, _Room] = {}  # room -> what vLLM knows it by
+        self._rooms: dict[int, _Room] = {}  # open room -> what vLLM knows it by
+        self._by_req: dict[str, int] = {}  # request -> its open room
         self._ready: list[ComputeStep] = []  # prefill: this step's kv_ready calls, made after the forward
-        self._ended: dict[str, bool] = {}  # prefill: rooms ended, by request, until vLLM has finished them
-        self._finished: set[str] = set()  # prefill: requests vLLM finished whose room has not ended yet
+        self._sending: set[str] = set()  # prefill: requests whose blocks vLLM holds until reported sent
+        self._unserved: set[str] = set()  # decode: requests to report failed at the next get_finished
+        self.errors = 0  # engine calls that failed here (logged; the request went on without kvstage)
 
     # ---- start-up -----------------------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        facts = self._facts
         layers = [kv_caches[name] for name in sorted(kv_caches, key=_layer_index)]
         layout = self._layout(layers[0], len(layers))
-        heads = heads_of_rank(layout.num_kv_heads, self._tp_size, self._rank)
+        heads = heads_of_rank(layout.num_kv_heads, facts.tp_size, facts.rank)
         self._kv = EngineKV.from_layers(layout, self._format(layers[0]), layers, len(heads))
         self._global_heads = tuple(heads)
         s = self._settings
         config = AgentConfig(
             instance=s.instance,
-            rank=self._rank,
-            tp_size=self._tp_size,
+            rank=facts.rank,
+            tp_size=facts.tp_size,
             layout=layout,
             bootstrap=s.bootstrap,
             transport=TransportConfig(backend=s.backend, host=s.host),
@@ -111,7 +131,7 @@ class WorkerSide:
         self._agent = agent
         if s.report_dir:
             role = "prefill" if self._producer else "decode"
-            self._report = RankReport(s.report_dir, role, s.instance, self._rank)
+            self._report = RankReport(s.report_dir, role, s.instance, facts.rank)
         log.info(
             "kvstage %s agent %s up: %s, %s layout, %d-token chunks, backend %s",
             "prefill" if self._producer else "decode",
@@ -123,22 +143,20 @@ class WorkerSide:
         )
 
     def _layout(self, sample: torch.Tensor, num_layers: int) -> KVLayout:
-        model = self._config.model_config
-        cache = self._config.cache_config
-        dtype = _FP8.get(str(cache.cache_dtype)) or _dtype_name(sample.dtype)
+        facts = self._facts
         return KVLayout(
             num_layers=num_layers,
-            num_kv_heads=model.get_total_num_kv_heads(),
-            head_dim=model.get_head_size(),
-            dtype=dtype,
-            page_size=cache.block_size,
+            num_kv_heads=facts.num_kv_heads,
+            head_dim=facts.head_dim,
+            dtype=_FP8.get(facts.cache_dtype) or _dtype_name(sample.dtype),
+            page_size=facts.block_size,
         )
 
     def _format(self, sample: torch.Tensor) -> KVCacheFormat:
         if sample.device.type == "cpu":
-            fmt = cpu_format(self._cpu_attention_isa(sample))
+            fmt = cpu_format(self._facts.cpu_attention_isa(sample.dtype))
         else:
-            name = str(getattr(self._config.cache_config, "kv_cache_layout", ""))
+            name = self._facts.gpu_layout
             if name not in _CUDA_FORMATS:
                 raise ConfigError(
                     f"kvstage: vLLM's KV cache layout {name!r} is not supported; set VLLM_KV_CACHE_LAYOUT to "
@@ -148,57 +166,106 @@ class WorkerSide:
         self._kv_format = fmt
         return fmt
 
-    def _cpu_attention_isa(self, sample: torch.Tensor) -> str:
-        """The kernel vLLM's CPU attention writes its cache with (it decides the layout of a block)."""
-        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-
-        cache = self._config.cache_config
-        head_size = self._config.model_config.get_head_size()
-        return str(_get_attn_isa(sample.dtype, cache.block_size, head_size, str(cache.cache_dtype)))
-
     # ---- each step ----------------------------------------------------------------------------------------
+
+    def reclaim_preempted(self, meta: StepMetadata) -> None:
+        """Before the forward (vLLM's `handle_preemptions`, and again at bind: idempotent): vLLM freed these
+        requests' blocks, and this step's forward may write another request's KV into them. Each room is aborted
+        and forgotten here (vLLM never hears of it again), and no gather reads its blocks once this returns; on a
+        GPU the engine's stream waits for the gathers already queued, the host does not."""
+        agent = self._agent
+        if not isinstance(agent, PrefillAgent):
+            return
+        for req_id in meta.preempted:
+            room = self._by_req.pop(req_id, None)
+            if room is None:
+                continue
+            del self._rooms[room]
+            self._guarded("reclaim", partial(self._reclaim, agent, room))
+
+    def _reclaim(self, agent: PrefillAgent, room: int) -> None:
+        event = agent.reclaim(room)
+        if event is not None and self._kv is not None:
+            torch.cuda.current_stream(self._kv.device).wait_event(event)
 
     def bind(self, meta: StepMetadata) -> None:
         agent = self._require_agent()
-        timeout = self._settings.room_timeout_s
+        self.reclaim_preempted(meta)
         for expect in meta.expect:
-            assert isinstance(agent, DecodeAgent)
-            self._expect(agent, expect, timeout)
+            self._guarded("expect", partial(self._expect, agent, expect), failed=expect.req_id)
         for step in meta.compute:
-            assert isinstance(agent, PrefillAgent)
-            log.debug("room %d: computing tokens up to %d of %d", step.room, step.end_tokens, step.num_tokens)
-            if step.first:
-                self._rooms[step.room] = _Room(step.req_id, step.num_tokens, 0, step.blocks)
-                agent.attach_room(step.room, step.num_tokens, step.peer_tp, timeout)
-            agent.compute_scheduled(step.room, step.end_tokens)
-            self._ready.append(step)
+            self._guarded("compute", partial(self._compute, agent, step))
         for abort in meta.abort:
             if abort.room in self._rooms:
-                agent.abort(abort.room)
+                self._guarded("abort", partial(agent.abort, abort.room))
+        self._sending.update(meta.sending)
+        self._unserved.update(meta.unserved)
 
-    def _expect(self, agent: DecodeAgent, expect: ExpectRoom, timeout: float) -> None:
+    def _guarded(self, what: str, call: Callable[[], object], failed: str = "") -> None:
+        """One engine record: a failure is logged and counted, and fails that request's room only (a decode
+        request named by `failed` is reported failed, so vLLM recomputes it)."""
+        try:
+            call()
+        except Exception:
+            log.exception("kvstage: %s failed on rank %d", what, self._facts.rank)
+            self.errors += 1
+            if failed:
+                self._unserved.add(failed)
+
+    def _expect(self, agent: DecodeAgent | PrefillAgent, expect: ExpectRoom) -> None:
+        assert isinstance(agent, DecodeAgent)
         peers = tuple(peer_id(expect.peer, r) for r in range(expect.peer_tp))
         log.debug(
             "expect room %d from %s: tokens [%d, %d)", expect.room, peers, expect.prefix_tokens, expect.num_tokens
         )
-        self._rooms[expect.room] = _Room(expect.req_id, expect.num_tokens, expect.prefix_tokens, expect.blocks)
-        agent.expect_room(expect.room, peers, expect.num_tokens, expect.prefix_tokens, expect.blocks, timeout)
+        agent.expect_room(
+            expect.room,
+            peers,
+            expect.num_tokens,
+            expect.prefix_tokens,
+            expect.blocks,
+            self._settings.room_timeout_s,
+            expect.prompt,
+        )
+        self._open(expect.room, _Room(expect.req_id, expect.num_tokens, expect.prefix_tokens, expect.blocks))
+
+    def _compute(self, agent: DecodeAgent | PrefillAgent, step: ComputeStep) -> None:
+        assert isinstance(agent, PrefillAgent)
+        log.debug("room %d: computing tokens up to %d of %d", step.room, step.end_tokens, step.num_tokens)
+        if step.first:
+            agent.attach_room(step.room, step.num_tokens, step.peer_tp, self._settings.room_timeout_s, step.prompt)
+            self._open(step.room, _Room(step.req_id, step.num_tokens, 0, step.blocks))
+        if step.room in self._rooms:
+            agent.compute_scheduled(step.room, step.end_tokens)
+            self._ready.append(step)
+
+    def _open(self, room: int, record: _Room) -> None:
+        self._rooms[room] = record
+        self._by_req[record.req_id] = room
 
     def wait_for_save(self) -> None:
-        """After the forward: the tokens this step computed are in vLLM's blocks; kvstage may read them."""
+        """After the forward: the tokens this step computed are in vLLM's blocks; kvstage may read them. On a GPU
+        an event recorded on vLLM's current stream orders the gathers after this step's writes; the host never
+        waits for the device here."""
         if not self._ready:
             return
         agent = self._require_agent()
         assert isinstance(agent, PrefillAgent)
+        ready = None
         if self._kv is not None and self._kv.device.type == "cuda":
-            torch.cuda.current_stream(self._kv.device).synchronize()  # gather runs on kvstage's own stream
+            ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            ready.record(torch.cuda.current_stream(self._kv.device))
         for step in self._ready:
-            agent.kv_ready(step.room, step.end_tokens, step.blocks)
+            if step.room not in self._rooms:
+                continue  # reclaimed or ended in this step
+            self._guarded("kv_ready", partial(agent.kv_ready, step.room, step.end_tokens, step.blocks, ready))
             if self._report is not None and step.end_tokens == step.num_tokens:
                 self._record_digests(step.room, _Room(step.req_id, step.num_tokens, 0, step.blocks))
         self._ready.clear()
 
-    def transfer_results(self, finished_req_ids: set[str]) -> Results:
+    def transfer_results(self) -> Results:
+        """What vLLM hears this step: decode's rooms that ended (failed ones also as failed, so vLLM recomputes),
+        and prefill's requests whose blocks kvstage no longer reads (only those vLLM holds for it)."""
         results = Results(set(), set(), set())
         if self._agent is None:
             return results
@@ -207,16 +274,21 @@ class WorkerSide:
             room = self._rooms.pop(outcome.room, None)
             if room is None:
                 continue
+            self._by_req.pop(room.req_id, None)
             if not outcome.ok:
                 log.warning("kvstage room %d (request %s) failed: %s", outcome.room, room.req_id, outcome.reason)
-            if self._producer:
-                self._ended[room.req_id] = outcome.ok
-            else:
+            if not self._producer:
                 self._received(outcome.room, room, outcome.ok, results)
         if outcomes and self._report is not None:
             self._report.counters(self._agent.metrics.registry)
         if self._producer:
-            self._report_sent(finished_req_ids, results.finished_sending)
+            done = {req_id for req_id in self._sending if req_id not in self._by_req}
+            self._sending -= done
+            results.finished_sending.update(done)
+        else:
+            results.finished_recving.update(self._unserved)
+            results.failed_recving.update(self._unserved)
+            self._unserved.clear()
         return results
 
     def _received(self, room_id: int, room: _Room, ok: bool, results: Results) -> None:
@@ -226,16 +298,6 @@ class WorkerSide:
             results.failed_recving.add(room.req_id)
         elif self._report is not None:
             self._record_digests(room_id, room)
-
-    def _report_sent(self, finished_req_ids: set[str], sent: set[str]) -> None:
-        """A prefill request is reported sent once its room has ended and vLLM has finished it (vLLM only
-        accepts ids it has announced as finished)."""
-        open_requests = {room.req_id for room in self._rooms.values()}
-        self._finished |= {r for r in finished_req_ids if r in open_requests or r in self._ended}
-        for req_id in [r for r in self._finished if r in self._ended]:
-            self._finished.discard(req_id)
-            del self._ended[req_id]
-            sent.add(req_id)
 
     def _record_digests(self, room_id: int, room: _Room) -> None:
         assert self._report is not None and self._kv is not None
