@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections import Counter
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -148,6 +149,11 @@ class KVStageConnector(KVConnectorBase_V1):
             self._worker.shutdown()
 
     # ---- scheduler side -----------------------------------------------------------------------------------
+
+    @property
+    def refused(self) -> Counter[str]:
+        """Scheduler side: requests that run without kvstage, by why (bad params, a hook that failed)."""
+        return self._scheduler_side().errors
 
     def on_new_request(self, request: Request) -> None:
         self._scheduler_side().on_new_request(request)

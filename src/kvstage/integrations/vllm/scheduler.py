@@ -205,18 +205,20 @@ class SchedulerSide:
     @_never_raises(lambda: (False, _NO_PARAMS))
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         req_id = request.request_id
+        ticket = self._tickets.get(req_id)
         self._release_ticket(req_id)
         self._tried.discard(req_id)
-        self._preempted.discard(req_id)
         if waiting := self._waiting.pop(req_id, None):  # decode, still waiting: vLLM holds the blocks for us
             self._next.abort.append(AbortRoom(req_id, waiting.room))
             return False, None
         prefill = self._prefilling.pop(req_id, None)
-        if prefill is None:
-            return False, None  # not ours, or its room ended at a preemption
-        if not prefill.attached:
-            # given up before any of it was computed: nothing reads its blocks, and decode learns it now
-            self._next.abort.append(AbortRoom(req_id, prefill.ticket.room))
+        preempted = req_id in self._preempted
+        self._preempted.discard(req_id)
+        if prefill is None or not prefill.attached:
+            if self._producer and ticket is not None and not preempted:
+                # given up before any of it was computed (aborted while queued, or refused): nothing reads its
+                # blocks, and decode's ranks learn it now instead of at the room's deadline
+                self._next.abort.append(AbortRoom(req_id, ticket.room))
             return False, None
         if request.status.name == "FINISHED_ABORTED" or request.num_computed_tokens < prefill.num_tokens:
             self._next.abort.append(AbortRoom(req_id, prefill.ticket.room))

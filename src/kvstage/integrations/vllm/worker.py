@@ -196,7 +196,7 @@ class WorkerSide:
         for step in meta.compute:
             self._guarded("compute", partial(self._compute, agent, step))
         for abort in meta.abort:
-            if abort.room in self._rooms:
+            if abort.room in self._rooms or self._producer:  # prefill also closes a room it never attached
                 self._guarded("abort", partial(agent.abort, abort.room))
         self._sending.update(meta.sending)
         self._unserved.update(meta.unserved)

@@ -1,0 +1,217 @@
+"""The engine edge: every sequence of calls vLLM can make ends correctly, and nothing a client sends hurts an engine.
+
+Each test drives vLLM's own scheduler and kvstage's worker sides over real agents (`vllm_harness`): a prefill and
+a decode engine, as the router would feed them. After every sequence: vLLM's scheduler never saw a finished id of
+a request it does not hold (it asserts, as a real engine dies), every block is back in the pool exactly once, no
+room went to two requests, and every decode request whose KV arrived holds exactly its prompt's KV.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from vllm_harness import Engine, Pair  # noqa: E402
+
+from kvstage.e2e.model import TinyModelSpec, build_tiny_model  # noqa: E402
+from kvstage.transport.bootstrap import BootstrapServer  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(TinyModelSpec(), tmp_path_factory.mktemp("model"))
+
+
+@pytest.fixture
+def bootstrap() -> Iterator[str]:
+    server = BootstrapServer().start()
+    yield server.address
+    server.close()
+
+
+def make_pair(model: Path, bootstrap: str, prefill_tp: int = 2, decode_tp: int = 1, **prefill: object) -> Pair:
+    return Pair(
+        Engine("prefill", "P", prefill_tp, model, bootstrap, **prefill),  # type: ignore[arg-type]
+        Engine("decode", "D", decode_tp, model, bootstrap),
+    )
+
+
+@pytest.fixture
+def pairs(model: Path, bootstrap: str) -> Iterator[list[Pair]]:
+    made: list[Pair] = []
+    yield made
+    for pair in made:
+        pair.prefill.close()
+        pair.decode.close()
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 500) for _ in range(n)]
+
+
+def assert_clean(pair: Pair) -> None:
+    assert not pair.corrupt, f"decode requests got KV that is not their prompt's: {sorted(pair.corrupt)}"
+    pair.prefill.assert_clean()
+    pair.decode.assert_clean()
+
+
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 1), (1, 2)], ids=["2to1", "1to2"])
+def test_requests_get_their_prompts_kv_and_every_block_is_freed_once(
+    model: Path, bootstrap: str, pairs: list[Pair], prefill_tp: int, decode_tp: int
+) -> None:
+    pair = make_pair(model, bootstrap, prefill_tp, decode_tp)
+    pairs.append(pair)
+    for i in range(3):
+        pair.send(f"r{i}", prompt(i, 90 + 20 * i), room=100 + i)
+    pair.run()
+    assert pair.intact == {"r0", "r1", "r2"}
+    assert_clean(pair)
+
+
+def test_a_prompt_prefilled_in_many_chunked_steps_arrives_whole(model: Path, bootstrap: str, pairs: list[Pair]) -> None:
+    pair = make_pair(model, bootstrap, max_batched_tokens=32)
+    pairs.append(pair)
+    pair.send("long", prompt(7, 300), room=7)
+    pair.run()
+    assert pair.intact == {"long"}
+    assert_clean(pair)
+
+
+def test_a_preempted_prefill_request_never_kills_the_engine_and_decode_recomputes_it(
+    model: Path, bootstrap: str, pairs: list[Pair]
+) -> None:
+    """At 5ef7c43 vLLM's scheduler asserted on a finished_sending id of a request the preemption had already let
+    go (the engine core died)."""
+    pair = make_pair(model, bootstrap, num_blocks=20, max_batched_tokens=128, chunk_cap=32)
+    pairs.append(pair)
+    for i in range(4):
+        pair.send(f"r{i}", prompt(20 + i, 250), room=20 + i)
+    pair.run()
+    assert pair.prefill.preemptions > 0, "the sequence must preempt on prefill"
+    assert not pair.decode.live
+    assert_clean(pair)
+
+
+def test_a_request_preempted_and_aborted_in_the_same_step_is_reported_to_no_one(
+    model: Path, bootstrap: str, pairs: list[Pair]
+) -> None:
+    pair = make_pair(model, bootstrap, num_blocks=20, max_batched_tokens=128, chunk_cap=32)
+    pairs.append(pair)
+    for i in range(4):
+        pair.send(f"r{i}", prompt(40 + i, 250), room=40 + i)
+    deadline = time.monotonic() + 30
+    while pair.prefill.preemptions == 0:
+        assert time.monotonic() < deadline, "no preemption happened"
+        pair.step()
+    preempted = [r for r, req in pair.prefill.scheduler.requests.items() if req.num_preemptions > 0]
+    for req_id in preempted:
+        pair.prefill.abort(req_id)  # the client goes away right after the preemption, before the next step
+    pair.run()
+    assert_clean(pair)
+
+
+@pytest.mark.parametrize("side", ["prefill", "decode"])
+def test_a_client_abort_on_either_side_ends_the_room_and_frees_every_block(
+    model: Path, bootstrap: str, pairs: list[Pair], side: str
+) -> None:
+    pair = make_pair(model, bootstrap, max_batched_tokens=32)
+    pairs.append(pair)
+    pair.send("gone", prompt(60, 200), room=60)
+    pair.send("stays", prompt(61, 100), room=61)
+    for _ in range(3):
+        pair.step()
+    (pair.prefill if side == "prefill" else pair.decode).abort("gone")
+    pair.run()
+    assert "stays" in pair.intact
+    assert "gone" not in pair.intact
+    assert_clean(pair)
+
+
+def test_n_children_sharing_one_routers_room_each_get_a_room_and_their_kv(
+    model: Path, bootstrap: str, pairs: list[Pair]
+) -> None:
+    """vLLM gives every child of an n>1 request the same kv_transfer_params; at 5ef7c43 the children shared one
+    room and one of them waited for its KV forever."""
+    pair = make_pair(model, bootstrap)
+    pairs.append(pair)
+    same = prompt(70, 120)
+    for child in ("0_req", "1_req"):
+        pair.send(child, same, room=70)
+    pair.run()
+    assert pair.intact == {"0_req", "1_req"}
+    assert len(pair.decode.rooms) == 2
+    assert_clean(pair)
+
+
+def test_a_list_of_prompts_sharing_one_routers_room_each_get_their_own_kv(
+    model: Path, bootstrap: str, pairs: list[Pair]
+) -> None:
+    pair = make_pair(model, bootstrap)
+    pairs.append(pair)
+    for i in range(2):
+        pair.send(f"req-{i}", prompt(80 + i, 100), room=80)
+    pair.run()
+    assert pair.intact == {"req-0", "req-1"}
+    assert_clean(pair)
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"kvstage_room": "abc"},
+        {"kvstage_room": 5},
+        {"kvstage_room": -1, "kvstage_peer": "P", "kvstage_peer_tp": 0},
+        {"kvstage_room": 5, "kvstage_peer": "P", "kvstage_peer_tp": 10**9},
+        {"kvstage_room": 2**80, "kvstage_peer": "P", "kvstage_peer_tp": 1},
+        {"kvstage_room": True, "kvstage_peer": "P", "kvstage_peer_tp": 1},
+        {"kvstage_room": 5, "kvstage_peer": ["P"], "kvstage_peer_tp": 1},
+        {"kvstage_room": 5, "kvstage_peer": "x" * 5000, "kvstage_peer_tp": 1},
+    ],
+    ids=["room-str", "no-peer", "negative", "huge-tp", "huge-room", "bool-room", "list-peer", "long-peer"],
+)
+def test_malformed_kvstage_params_are_refused_counted_and_the_request_runs_without_kvstage(
+    model: Path, bootstrap: str, pairs: list[Pair], params: dict[str, object]
+) -> None:
+    """At 5ef7c43 RoomParams raised inside vLLM's schedule(): one request killed the engine."""
+    pair = make_pair(model, bootstrap, prefill_tp=1)
+    pairs.append(pair)
+    pair.decode.add("bad", prompt(90, 40), params, max_tokens=2)
+    pair.run()
+    assert pair.decode.scheduler.connector.refused["bad params"] == 1
+    assert not pair.decode.rooms
+    assert_clean(pair)
+
+
+def test_a_request_prefill_gives_up_before_attaching_fails_decodes_room_within_seconds(
+    model: Path, bootstrap: str, pairs: list[Pair]
+) -> None:
+    pair = make_pair(model, bootstrap)
+    pairs.append(pair)
+    pair.decode.add("r", prompt(95, 100), pair.params(95, pair.decode))
+    pair.prefill.add("r", prompt(95, 100), pair.params(95, pair.prefill), max_tokens=1)
+    pair.decode.step()  # decode registers the room; prefill has not scheduled its request yet
+    pair.prefill.abort("r")  # e.g. the router cancelled it, or its client went away while it was queued
+    started = time.monotonic()
+    pair.run(until=[pair.decode])
+    assert time.monotonic() - started < 2.0, "decode's room waited for its deadline"
+    assert "r" not in pair.intact
+    assert_clean(pair)
+
+
+def test_a_room_paired_with_another_prompt_fails_instead_of_landing(
+    model: Path, bootstrap: str, pairs: list[Pair]
+) -> None:
+    pair = make_pair(model, bootstrap)
+    pairs.append(pair)
+    pair.decode.add("r", prompt(96, 100), pair.params(96, pair.decode))
+    pair.prefill.add("r", prompt(97, 100), pair.params(96, pair.prefill), max_tokens=1)  # a misrouted room
+    pair.run()
+    assert not pair.intact and not pair.corrupt  # decode recomputed the prompt itself
+    assert_clean(pair)
