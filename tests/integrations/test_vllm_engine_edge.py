@@ -17,10 +17,10 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from vllm_harness import Engine, Pair  # noqa: E402
+from vllm_harness import Engine, Pair
 
-from kvstage.e2e.model import TinyModelSpec, build_tiny_model  # noqa: E402
-from kvstage.transport.bootstrap import BootstrapServer  # noqa: E402
+from kvstage.e2e.model import TinyModelSpec, build_tiny_model
+from kvstage.transport.bootstrap import BootstrapServer
 
 
 @pytest.fixture(scope="module")

@@ -213,7 +213,7 @@ class Engine:
     def _sampled(self, out: Any) -> dict[str, list[int]]:
         """A token for each request whose scheduled tokens reach the end of what it holds (prompt done)."""
         sampled = {}
-        for req_id, n in out.num_scheduled_tokens.items():
+        for req_id in out.num_scheduled_tokens:
             request = self.scheduler.requests[req_id]
             if request.num_computed_tokens >= request.num_tokens:  # vLLM advanced it already at schedule()
                 sampled[req_id] = [3 + len(request.output_token_ids)]
