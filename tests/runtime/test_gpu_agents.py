@@ -11,10 +11,11 @@ import torch
 from agent_outcomes import wait_outcomes
 
 from kvstage.dataplane import KVPool
-from kvstage.errors import TransportUnavailable
+from kvstage.errors import KVStageError, TransportUnavailable
 from kvstage.layout import KVLayout, heads_of_rank
 from kvstage.protocol import Timing
 from kvstage.runtime import AgentConfig, DecodeAgent, PrefillAgent, peer_id
+from kvstage.runtime.reclaim import PageClaims
 from kvstage.transport.bootstrap import BootstrapServer
 from kvstage.transport.data import TransportConfig
 from kvstage.transport.data.nixl import load_nixl
@@ -169,3 +170,77 @@ def test_an_abort_during_a_scatter_gives_the_pages_back_only_after_that_scatter_
     assert not outcome.ok and "abort" in outcome.reason
     assert sorted(outcome.pages) == sorted(sides["decode"][0])
     assert reader.wait_quiescent(15) and reader.snapshot().ring_live_bytes == 0
+
+
+def test_a_gather_waits_on_the_engines_ready_event_and_the_host_never_does(cluster):
+    """vLLM's forward may run on a stream of its own: `kv_ready(ready=event)` orders the gathers after it on the
+    device (the copy stream waits only on the default stream by itself), with no host wait on the step path."""
+    prefill, decode = cluster(2, 1)
+    _warm_up(prefill, decode)
+    [reader] = decode
+    # the control first: the copy stream runs gathers in order, so a gather behind room 5's would wait too
+    sides = {room: _room_written_on_a_held_stream(prefill, reader, room, with_event) for room, with_event in
+             ((6, False), (5, True))}  # fmt: skip
+    outcomes = wait_outcomes(reader, 2, timeout=60)
+    assert outcomes[5].ok and outcomes[6].ok, outcomes
+    assert _landed(decode, sides[5]), "a gather read pages the engine had not written yet"
+    assert not _landed(decode, sides[6]), "control: without the event the gather should read the pages too early"
+
+
+def _room_written_on_a_held_stream(prefill: list[PrefillAgent], reader: DecodeAgent, room: int, event: bool) -> dict:
+    """A room whose KV the engine writes on a stream of its own, behind a long kernel; kv_ready is called at once,
+    with the stream's event or (the control) without one."""
+    num_tokens, npages, tp = 128, 128 // LAYOUT.page_size, len(prefill)
+    kv = torch.randint(0, 256, (2, LAYOUT.num_layers, num_tokens, LAYOUT.num_kv_heads, LAYOUT.head_bytes))
+    kv = kv.to(torch.uint8)
+    on_gpu = kv.cuda()  # before the hold: a copy from pageable host memory would make the host wait for it
+    torch.cuda.synchronize()
+    dst_pages = reader.pool.allocator.allocate(npages, room)
+    reader.expect_room(room, tuple(peer_id("P", r) for r in range(tp)), num_tokens, 0, tuple(dst_pages), timeout_s=30)
+    src_pages = [writer.pool.allocator.allocate(npages, room) for writer in prefill]
+    slots = [writer.pool.slot_indices(pages, 0, num_tokens) for writer, pages in zip(prefill, src_pages, strict=True)]
+    torch.cuda.synchronize()  # the slot indices are uploaded on the default stream
+    engine = torch.cuda.Stream()
+    computed = _hold_stream(engine)  # the engine's forward is still running on its own stream...
+    for rank, writer in enumerate(prefill):
+        heads = heads_of_rank(LAYOUT.num_kv_heads, tp, rank)
+        with torch.cuda.stream(engine):  # ...and writes the room's KV at its end
+            _byte_view(writer.pool).index_copy_(2, slots[rank], on_gpu[:, :, :, heads.start : heads.stop])
+            slots[rank].record_stream(engine)  # the allocator must not reuse them before that write ran
+            on_gpu.record_stream(engine)
+            ready = torch.cuda.Event()
+            ready.record(engine)
+        writer.attach_room(room, num_tokens, 1, timeout_s=30)
+        writer.compute_scheduled(room, num_tokens)
+        writer.kv_ready(room, num_tokens, tuple(src_pages[rank]), ready if event else None)
+    assert not computed.query(), "the held stream ran out before kv_ready returned: raise HOLD_CYCLES"
+    return {"kv": kv, "decode": [dst_pages]}
+
+
+def test_after_reclaim_the_engines_next_writes_wait_for_the_gathers_already_queued():
+    """A preemption: the engine reuses a room's pages in its next forward. The event `reclaim` returns follows the
+    gathers already queued; the engine's stream waits on it, so the gather reads the room's KV, never the next
+    request's. The control shows the hazard: the same write without the wait lands before the queued gather."""
+    claims = PageClaims()
+    copy, engine = torch.cuda.Stream(), torch.cuda.Stream()
+    pages = {room: torch.full((1 << 20,), 1.0, device="cuda") for room in (1, 2)}
+    gathered = {room: torch.zeros(1 << 20, device="cuda") for room in (1, 2)}
+    torch.cuda.synchronize()
+    for room in (1, 2):
+        claims.set_ready(room, _hold_stream(engine))  # this step's forward has not finished writing the KV yet
+        with torch.cuda.stream(copy), claims.reading(room, copy):
+            gathered[room].copy_(pages[room])  # the gather, queued behind the ready event
+    event = claims.reclaim(1)
+    assert event is not None and not event.query()
+    claims.reclaim(2)  # the control: its event is not waited on
+    nxt = torch.cuda.Stream()
+    nxt.wait_event(event)
+    with torch.cuda.stream(nxt):
+        pages[1].fill_(2.0)  # the next forward writes another request's KV into the reclaimed pages
+    with torch.cuda.stream(torch.cuda.Stream()):
+        pages[2].fill_(2.0)
+    torch.cuda.synchronize()
+    assert torch.all(gathered[1] == 1.0), "the gather read pages the engine had reused"
+    assert torch.all(gathered[2] == 2.0), "control: without the wait the reuse should overtake the queued gather"
+    with pytest.raises(KVStageError), claims.reading(1, copy):
+        pytest.fail("a gather of a reclaimed room started")
