@@ -26,6 +26,7 @@ from vllm import SamplingParams
 from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
@@ -62,6 +63,7 @@ class Engine:
     num_blocks: int = 64
     max_batched_tokens: int = 64
     chunk_cap: int = 0  # vLLM's long_prefill_token_threshold: most tokens of one prompt per step (0: none)
+    async_scheduling: bool = False  # schedule step N+1 before step N's output is processed, as vLLM's async mode
     room_timeout_s: float = 20.0
     scheduler: Scheduler = field(init=False)
     workers: list[WorkerSide] = field(init=False)
@@ -71,6 +73,7 @@ class Engine:
     reported: Counter[str] = field(default_factory=Counter)  # (finished_sending / recving ids, all ranks)
     _pending: Counter[tuple[str, str]] = field(default_factory=Counter)
     _prompts: dict[str, list[int]] = field(default_factory=dict)
+    _unprocessed: list[tuple[Any, ModelRunnerOutput]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         init_none_hash(sha256)
@@ -86,6 +89,7 @@ class Engine:
                 enable_chunked_prefill=True,
                 is_encoder_decoder=False,
                 long_prefill_token_threshold=self.chunk_cap,
+                async_scheduling=self.async_scheduling,
             ),
             cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True),
             kv_transfer_config=KVTransferConfig(
@@ -105,7 +109,7 @@ class Engine:
             kv_cache_tensors=[],
             kv_cache_groups=[KVCacheGroupSpec([f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)], spec)],
         )
-        self.scheduler = Scheduler(
+        self.scheduler = (AsyncScheduler if self.async_scheduling else Scheduler)(
             vllm_config=config,
             kv_cache_config=kv_config,
             structured_output_manager=StructuredOutputManager(config),
@@ -149,6 +153,11 @@ class Engine:
     def live(self) -> set[str]:
         return set(self.scheduler.requests)
 
+    def drain(self) -> None:
+        """Async scheduling: hand the scheduler the output of the last step it has not seen yet."""
+        while self._unprocessed:
+            self.scheduler.update_from_output(*self._unprocessed.pop(0))
+
     # ---- one step ---------------------------------------------------------------------------------------------
 
     def step(self) -> set[str]:
@@ -171,20 +180,24 @@ class Engine:
         received = recving - failed
         self.reported.update(sending | recving)
         sampled = self._sampled(out)
-        self.scheduler.update_from_output(
-            out,
-            ModelRunnerOutput(
-                req_ids=list(out.num_scheduled_tokens),
-                req_id_to_index={r: i for i, r in enumerate(out.num_scheduled_tokens)},
-                sampled_token_ids=[sampled.get(r, []) for r in out.num_scheduled_tokens],
-                logprobs=None,
-                prompt_logprobs_dict={},
-                pooler_output=None,
-                kv_connector_output=KVConnectorOutput(
-                    finished_sending=sending or None, finished_recving=recving or None, failed_recving=failed
+        self._unprocessed.append(
+            (
+                out,
+                ModelRunnerOutput(
+                    req_ids=list(out.num_scheduled_tokens),
+                    req_id_to_index={r: i for i, r in enumerate(out.num_scheduled_tokens)},
+                    sampled_token_ids=[sampled.get(r, []) for r in out.num_scheduled_tokens],
+                    logprobs=None,
+                    prompt_logprobs_dict={},
+                    pooler_output=None,
+                    kv_connector_output=KVConnectorOutput(
+                        finished_sending=sending or None, finished_recving=recving or None, failed_recving=failed
+                    ),
                 ),
-            ),
+            )
         )
+        if not self.async_scheduling or len(self._unprocessed) > 1:  # async: step N's output after N+1 is scheduled
+            self.scheduler.update_from_output(*self._unprocessed.pop(0))
         return received
 
     def _room(self, room: int, req_id: str) -> None:
@@ -215,7 +228,7 @@ class Engine:
         sampled = {}
         for req_id in out.num_scheduled_tokens:
             request = self.scheduler.requests[req_id]
-            if request.num_computed_tokens >= request.num_tokens:  # vLLM advanced it already at schedule()
+            if not request.is_prefill_chunk:  # set by vLLM at schedule(), for the tokens scheduled
                 sampled[req_id] = [3 + len(request.output_token_ids)]
         return sampled
 
@@ -299,5 +312,7 @@ class Pair:
             assert time.monotonic() < deadline, f"requests still live: {[sorted(e.live) for e in engines]}"
             self.step()
             time.sleep(0.002)
+        for engine in engines:
+            engine.drain()
         for _ in range(extra_steps):
             self.step()
