@@ -3,8 +3,8 @@
 Owns the simulated world and everything it needs. Its modules form a line, each importing only modules below it:
 
 1. the leaves: a virtual clock, event kinds and event queue (clock.py), fault levels (faults.py), memory with
-   ownership tags (memory.py), traces (trace.py), hostile frames (hostile.py), seeded scenarios (scenario.py)
-   and a faulty network (network.py);
+   ownership tags (memory.py), traces (trace.py), hostile frames (hostile.py); above them seeded scenarios
+   (scenario.py) and a faulty network (network.py);
 2. the plain records and the timing model (records.py), `Violation` among them;
 3. the invariant checker (invariants.py), which reads the world only through `WorldView`, a read-only view it
    defines;

@@ -5,9 +5,9 @@ and the mutable records the world keeps: `Node` (one rank), `InflightWrite`, `Ro
 a room on both sides), `PrefillInstance` / `DecodeInstance` (the engine models' queues), `Violation` (what the
 checker found) and `RunResult`.
 
-Pure data, the bottom of the simulator's own modules: it imports only the leaves (clock, memory, scenario),
-never the checker or the world. Called by the checker (invariants.py), the world's parts (core.py, engines.py,
-dataplane.py, world.py) and runner.py.
+Pure data, below the checker and the world: it imports only clock.py, memory.py and scenario.py of the
+simulator, never the checker or the world. Called by the checker (invariants.py), the world's parts (core.py,
+engines.py, dataplane.py, world.py) and runner.py.
 """
 
 from __future__ import annotations
