@@ -55,7 +55,7 @@ def demo(
     """Run the end-to-end demo: a vLLM prefill server and a vLLM decode server of different TP sizes behind the
     kvstage router, the tiny local model, every request verified (KV bit-exact, tokens equal to one instance)."""
     if synthetic:
-        from kvstage.demo import print_report, run_demo
+        from kvstage.demo.synthetic import print_report, run_demo
 
         report = run_demo()
         print_report(report)
@@ -64,8 +64,8 @@ def demo(
         return
     import json
 
-    from kvstage.e2e.demo import DemoOptions, print_summary
-    from kvstage.e2e.demo import run_demo as run_e2e
+    from kvstage.demo.vllm import DemoOptions, print_summary
+    from kvstage.demo.vllm import run_demo as run_vllm
 
     if shared_prefix_tokens >= prompt_tokens:
         raise typer.BadParameter("must be below --prompt-tokens", param_hint="--shared-prefix-tokens")
@@ -79,11 +79,11 @@ def demo(
         max_tokens=max_tokens,
         work_dir=work_dir,
     )
-    e2e = run_e2e(options)
-    print_summary(e2e, options)
+    vllm = run_vllm(options)
+    print_summary(vllm, options)
     if json_output:
-        print(json.dumps(e2e.to_json()))
-    if not e2e.ok:
+        print(json.dumps(vllm.to_json()))
+    if not vllm.ok:
         raise typer.Exit(code=1)
 
 

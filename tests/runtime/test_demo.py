@@ -1,5 +1,5 @@
-"""`kvstage demo` runs the real agents end to end: rooms land bit-exact, the aborted one fails cleanly, and the
-counts it prints are checked here against the plans independently of the demo's own bookkeeping."""
+"""`kvstage demo --synthetic` runs the real agents end to end: rooms land bit-exact, the aborted one fails cleanly,
+and the counts it prints are checked here against the plans independently of the demo's own bookkeeping."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from kvstage.demo import ABORTED_BY_DECODE, DemoConfig, DemoReport, DemoRequest, print_report, run_demo
+from kvstage.demo.synthetic import ABORTED_BY_DECODE, DemoConfig, DemoReport, DemoRequest, print_report, run_demo
 from kvstage.layout import ChunkGrid, KVLayout, plan_head_transfers, plan_staging
 from kvstage.transport.data import TransportConfig
 

@@ -6,7 +6,7 @@ that `vllm serve` and transformers load like any Hugging Face checkpoint. The fo
 spec, so a changed spec builds a new folder and a finished one is reused; the build writes into a temporary
 folder and renames it, so an interrupted build never leaves a half-written model behind.
 
-Called by the demo (kvstage.e2e.demo) and the end-to-end tests.
+Called by the vLLM demo (kvstage.demo.vllm) and the end-to-end tests.
 """
 
 from __future__ import annotations

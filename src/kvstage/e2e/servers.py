@@ -7,7 +7,7 @@ kill -9 of the whole group), and the functions that start each kind: vLLM, `kvst
 
 Invariants: every process started here is in its own session, so stopping or killing it takes its workers with
 it; a process that exits before it is ready raises at once with the tail of its log; `stop` always reaps.
-Called by the demo (kvstage.e2e.demo) and the end-to-end tests.
+Called by the vLLM demo (kvstage.demo.vllm) and the end-to-end tests.
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@ and the ranks' counters.
 
 Owns `check_rooms` (a room is verified when every page decode received has, for every layer, K/V and global
 head, the digest prefill computed for it, and decode's ranks together cover every head of every page they were
-sent) and `read_counters` (each rank's last counters line). Pure reading; called by the demo and the tests.
+sent) and `read_counters` (each rank's last counters line). Pure reading; called by the vLLM demo
+(kvstage.demo.vllm) and the end-to-end tests.
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
 """The machinery every runtime agent shares: configuration, outcomes, the agent thread and its event loop.
 
-Owns `BaseAgent` (its values are in config.py), the base of `DecodeAgent`
-(decode.py) and `PrefillAgent` (prefill.py). An agent drives one protocol endpoint with real sockets, a real data
-transport, gather/scatter on the engine's KV pool, a clock and metrics. It owns one agent thread (the only thread
-that touches the endpoint, the transport's write/poll calls and the agent's tables), plus the threads it starts:
-the copy thread (gather/scatter, `copier.py`), the control channel's I/O thread and the peer resolver
-(`directory.py`). The engine-facing API is small and never blocks:
+Owns `BaseAgent` (its values are in config.py, what it knows of its peers in peers.py), the base of
+`DecodeAgent` (decode.py) and `PrefillAgent` (prefill.py). An agent drives one protocol endpoint with real
+sockets, a real data transport, gather/scatter on the engine's KV pool, a clock and metrics. It owns one agent
+thread (the only thread that touches the endpoint, the transport's write/poll calls and the agent's tables), plus
+the threads it starts: the copy thread (gather/scatter, `copier.py`), the control channel's I/O thread and the
+peer resolver (`directory.py`). The engine-facing API is small and never blocks:
 
     decode engine:  agent.expect_room(room, prefill_peers, num_tokens, prefix_tokens, pages, timeout_s)
                     agent.abort(room);  agent.poll() -> [RoomOutcome]
@@ -28,16 +28,9 @@ Invariants:
   channel asks before it hands one over); beyond it they are dropped and counted as "inbox full" (the protocol
   retries every request); sends parked for unresolved peers are bounded in peers, count, bytes and
   time (`outbox.py`, `AgentConfig.park`);
-- per-peer state goes when the peer goes: once the endpoint no longer tracks a peer (it fell silent past
-  `Timing.dead_after_s`: closed, killed or a stranger), the agent releases its record, its control socket, its
-  resolver entry, its parked sends and the subclass's state for it (`_release_departed`). What the agent keeps is
-  bounded by the peers alive now, never by all the peers it has seen;
 - a send that fails never changes a room the addressee has no part in (the endpoint checks, R3);
-- a stranger never changes a room: only a frame whose sender's bootstrap record the agent holds, and whose session
-  is that record's, reaches the endpoint (`_verified`). A frame from a sender not resolved yet, or from a session
-  newer than its record (a restart the resolver has not seen yet), is held until the record arrives, bounded as
-  the parked sends are (`AgentConfig.park`); one from an older session, or from a sender no record names in time,
-  is dropped and counted in `kvstage_rejected_frames` (docs/security.md, "Who may talk to a room").
+- per-peer state goes when the peer goes, and a stranger never changes a room: peers.py keeps both (it releases
+  departed peers, and verifies every inbound frame's sender before the endpoint sees it).
 
 Called by decode.py and prefill.py (subclasses), engines (docs/integration.md, tests/runtime/runtime_worker.py)
 and `kvstage bench` through `kvstage.runtime`.
@@ -49,10 +42,10 @@ import logging
 import queue
 import threading
 import time
-from abc import ABC, abstractmethod
+from abc import abstractmethod
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, ClassVar, assert_never
+from typing import Any, assert_never
 
 from kvstage.dataplane import KVPool, KVStore
 from kvstage.errors import ConfigError, KVStageError, TransportError
@@ -77,21 +70,13 @@ from kvstage.protocol import (
     WriteDirect,
     WriteRegion,
 )
-from kvstage.protocol.messages import Envelope, Metadata, RoomBody
+from kvstage.protocol.messages import Envelope
 from kvstage.protocol.reasons import INVALID_REQUEST
 from kvstage.runtime.config import AgentConfig, AgentSnapshot, RoomOutcome, check_peer
 from kvstage.runtime.copier import Copier, CopyDone
 from kvstage.runtime.directory import Resolver
 from kvstage.runtime.metrics import AgentMetrics
-from kvstage.runtime.outbox import (
-    INCOMPATIBLE_SENDER,
-    NOT_PARKED,
-    SESSION_ENDED,
-    STALE_SESSION,
-    UNREGISTERED,
-    UNVERIFIED,
-    ParkedSends,
-)
+from kvstage.runtime.peers import PeerLinks
 from kvstage.transport.auth import FrameAuth
 from kvstage.transport.bootstrap import BootstrapClient, PeerRecord
 from kvstage.transport.control import ControlChannel
@@ -126,16 +111,14 @@ _STOP = object()
 _WAKE = object()  # a write completed: the loop polls the transport after every batch of events
 
 
-class BaseAgent(ABC):
+class BaseAgent(PeerLinks):
     """Shared machinery: queue, agent thread, control channel, resolver, bootstrap record, outcomes, metrics."""
-
-    role: ClassVar[str]
-    peer_role: ClassVar[str]
 
     def __init__(self, config: AgentConfig, kv: KVStore) -> None:
         """`kv`: this rank's KV, a `KVPool` or the engine's own tensors (`EngineKV`, staged path only)."""
         if kv.layout != config.layout:
             raise ConfigError(f"KV layout {kv.layout} differs from the agent's layout {config.layout}")
+        super().__init__(config.park)
         self.config = config
         self.pool = kv
         self.peer_id = config.peer_id
@@ -151,21 +134,13 @@ class BaseAgent(ABC):
         self._work: deque[Any] = deque()
         self._draining = False
         self._poll_delay = BUSY_POLL_MIN_S
-        self._records: dict[str, PeerRecord] = {}
-        self._peer_of_address: dict[str, str] = {}
-        self._parked = ParkedSends(config.park)
-        self._held = ParkedSends(config.park)  # inbound frames of senders not verified yet, per sender
         self._next_sweep = 0.0
-        self._incompatible: dict[str, str] = {}
         self._snapshot = AgentSnapshot()
         self._thread = threading.Thread(target=self._run, name=f"kvstage-{self.role}-agent", daemon=True)
         self._started = False
         self.transport: DataTransport
         self.pool_region: LocalRegion | None = None
-        self.endpoint: DecodeEndpoint | PrefillEndpoint
-        self.copier: Copier
-        self.channel: ControlChannel[Envelope]
-        self.resolver: Resolver
+        self.copier: Copier  # (and the endpoint, channel and resolver PeerLinks declares) made by start()
 
     # ---- lifecycle ---------------------------------------------------------------------------------------
 
@@ -323,12 +298,6 @@ class BaseAgent(ABC):
     def _execute(self, action: Any) -> None:
         """Carry out one protocol action of this side (writes, scatters, fences); on the agent thread."""
 
-    def _peer_changed(self, old: PeerRecord | None, record: PeerRecord) -> None:
-        """A peer registered (or re-registered with a new session)."""
-
-    def _peer_fenced(self, peer: str) -> None:
-        """The endpoint declared `peer`'s incarnation dead or replaced, or the peer's session ended."""
-
     def _copy_done(self, done: CopyDone) -> None:
         """A gather or scatter submitted to the copier finished."""
         raise TypeError(f"{self.role} agent submitted no copy {done.key!r}")
@@ -439,33 +408,6 @@ class BaseAgent(ABC):
                 return
         self._feed(item)
 
-    def _verified(self, envelope: Envelope, nbytes: int) -> bool:
-        """Whether `envelope` may reach the endpoint: the agent holds its sender's record, of the same session.
-        Otherwise the frame is held until the record arrives (sender not resolved yet, or a newer session: a
-        restart), or dropped and counted (an older session, an incompatible peer, or the holding caps)."""
-        sender, session = envelope.sender, envelope.session
-        record = self._records.get(sender)
-        if record is not None and session == record.session:
-            return True
-        if sender in self._incompatible or (record is not None and session < record.session):
-            self.metrics.frame_rejected(INCOMPATIBLE_SENDER if sender in self._incompatible else STALE_SESSION)
-            return False
-        asked = self._held.holds(sender) or self.resolver.want(sender)  # ask once per holding, not per frame
-        if not asked:
-            self.metrics.frame_rejected(f"{UNVERIFIED}: too many unresolved peers")
-            return False
-        for _, _, reason in self._held.park(sender, envelope, nbytes, time.monotonic()):
-            self.metrics.frame_rejected(f"{UNVERIFIED}: {reason}")
-        return False
-
-    def _release_held(self, record: PeerRecord) -> None:
-        """`record` arrived: the frames held from its sender go to the endpoint if they are of its session."""
-        for envelope in self._held.pop(record.peer_id):
-            if envelope.session == record.session:
-                self._feed(Received(envelope))
-            else:
-                self.metrics.frame_rejected(STALE_SESSION if envelope.session < record.session else UNREGISTERED)
-
     def _feed(self, event: Any) -> None:
         """Hand one event to the endpoint and carry out its actions, then those of any follow-up events (in
         order, iteratively: an action that produces an event, e.g. SendFailed, queues it behind the current one)."""
@@ -521,97 +463,6 @@ class BaseAgent(ABC):
                 self._execute(action)
             case _:
                 assert_never(action)
-
-    def _send(self, peer: str, envelope: Envelope) -> None:
-        record = self._records.get(peer)
-        if record is None:
-            self._park_send(peer, envelope)
-            return
-        try:
-            self.channel.send(record.control_address, envelope)
-        except TransportError as exc:
-            self._feed(SendFailed(peer, envelope, str(exc)))
-
-    def _park_send(self, peer: str, envelope: Envelope) -> None:
-        if peer in self._incompatible:
-            self._feed(SendFailed(peer, envelope, self._incompatible[peer]))
-            return
-        if not self.resolver.want(peer):
-            self._feed(SendFailed(peer, envelope, "too many unresolved peers"))
-            return
-        if not isinstance(envelope.body, RoomBody):  # a heartbeat or Fenced: the next one goes once it resolves
-            self._send_failed(peer, envelope, NOT_PARKED)
-            return
-        nbytes = len(self._codec.encode(envelope))
-        pinned = isinstance(envelope.body, Metadata)  # decode sends it for a room its engine admitted, never a reply
-        for failed in self._parked.park(peer, envelope, nbytes, time.monotonic(), pinned):
-            self._send_failed(*failed)
-
-    def _send_failed(self, peer: str, envelope: Envelope, reason: str) -> None:
-        self.metrics.parked_send_failed(reason)
-        self._feed(SendFailed(peer, envelope, reason))
-
-    def _release_departed(self, now: float) -> None:
-        """Release every peer the endpoint no longer tracks, and fail the sends parked past their time."""
-        live = self.endpoint.peers()
-        for peer in (self._records.keys() | self._incompatible.keys()) - live:
-            self._release_peer(peer)
-        for failed in self._parked.expire(now):
-            self._send_failed(*failed)
-        for _, _, reason in self._held.expire(now):
-            self.metrics.frame_rejected(f"{UNVERIFIED}: {reason}")
-        for table, count in (("records", len(self._records)), ("sockets", self.channel.open_peers),
-                             ("resolver", self.resolver.wanted()), ("parked", len(self._parked)),
-                             ("held", len(self._held.peers())), ("endpoint", len(live))):  # fmt: skip
-            self.metrics.set_peer_state(table, count)
-
-    def _release_peer(self, peer: str) -> None:
-        """`peer`'s session ended: drop its record, control socket, resolver entry, parked sends and the
-        subclass's state for it. A later message from it starts over (resolved again)."""
-        record = self._records.pop(peer, None)
-        if record is not None:
-            self._forget_address(peer, record.control_address)
-        self._incompatible.pop(peer, None)
-        self.resolver.forget(peer)
-        self._peer_fenced(peer)
-        for envelope in self._parked.pop(peer):
-            self._send_failed(peer, envelope, SESSION_ENDED)
-        for _ in self._held.pop(peer):
-            self.metrics.frame_rejected(f"{UNVERIFIED}: {SESSION_ENDED}")
-
-    def _forget_address(self, peer: str, address: str) -> None:
-        """`peer` no longer lives at `address`: close the socket there, unless another peer (one that took the
-        address over, e.g. a new instance on the same port) lives there now."""
-        if self._peer_of_address.get(address) not in (peer, None):
-            return
-        self._peer_of_address.pop(address, None)
-        self.channel.forget_peer(address)
-
-    def _on_record(self, record: PeerRecord) -> None:
-        try:
-            check_peer(self.config, self.role, self.peer_role, record)
-        except ConfigError as exc:
-            log.error("%s: %s", self.peer_id, exc)
-            self._incompatible[record.peer_id] = str(exc)
-            for envelope in self._parked.pop(record.peer_id):
-                self._feed(SendFailed(record.peer_id, envelope, str(exc)))
-            for _ in self._held.pop(record.peer_id):
-                self.metrics.frame_rejected(INCOMPATIBLE_SENDER)
-            return
-        old = self._records.get(record.peer_id)
-        if old is not None and record.session < old.session:
-            # a lookup that raced a restart: the bootstrap never lets an older session replace a newer one, nor here
-            log.info("%s: ignored session %d of %r, which runs session %d", self.peer_id, record.session,
-                     record.peer_id, old.session)  # fmt: skip
-            return
-        if old is not None and old.control_address != record.control_address:
-            self._forget_address(record.peer_id, old.control_address)
-        self._records[record.peer_id] = record
-        self._peer_of_address[record.control_address] = record.peer_id
-        self._peer_changed(old, record)
-        self._release_held(record)
-        for envelope in self._parked.pop(record.peer_id):
-            self._send(record.peer_id, envelope)
 
     def _outcome(self, outcome: RoomOutcome, counted_as: str = "") -> None:
         if not outcome.ok:

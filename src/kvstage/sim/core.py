@@ -4,8 +4,10 @@ Owns `WorldCore`, the base of `World`: the attributes the event loop (world.py),
 (engines.py) and the data plane (dataplane.py) all read and change, the helpers they share (a node's ranks, a
 room's id, scheduling a completion) and the hooks one part implements for the others (`feed`,
 `_reschedule_timer` and `_pause` in world.py, `_crash_decode` and `_restart_writer` in engines.py).
-World is one object made of these parts, so a test can override any step of any part in a subclass.
+World is one object made of these parts, so a test can override any step of any part in a subclass. The state
+declared here is also what the checker reads (`WorldView` in invariants.py, with `now`).
 
+Sits above the records and the checker (it imports them, they import nothing of the world) and below the parts.
 Called by world.py, engines.py and dataplane.py.
 """
 
@@ -74,6 +76,11 @@ class WorldCore(ABC):
     @abstractmethod
     def _restart_writer(self, instance: PrefillInstance) -> None:
         """Crash a prefill instance now; it restarts soon with a new session (engines.py)."""
+
+    @property
+    def now(self) -> float:
+        """The true (virtual) time of the world: what the checker reads."""
+        return self.queue.now
 
     def _complete(self, node: Node, session: int, event: Event, at: float) -> None:
         self.queue.push(at, EventKind.COMPLETE, (node, session, event))

@@ -1,6 +1,6 @@
 """The invariant checker of the simulator: W1, S1, S2, D1, L1, Q1 and B1 (docs/simulation.md, "Invariants").
 
-Owns `Checker` and `Violation`. The world calls the checker at every data operation (a write landing, a
+Owns `Checker` and `WorldView`. The world calls the checker at every data operation (a write landing, a
 scatter completing, pages being freed, a room succeeding) and after every step; the first violation stops the
 run, and the runner prints the seed, the invariant and the trace tail.
 
@@ -29,47 +29,82 @@ run, and the runner prints the seed, the invariant and the trace tail.
   whose ChunkReady the network dropped sends it again within `retry_max_s` (plus a grace), unless the room
   ended on the writer, decode acknowledged the chunk meanwhile, or the writer is stalled or gone.
 
-Called by the world's parts only (world.py builds it; engines.py and dataplane.py call its checks).
+The checker reads the world through `WorldView`, the narrow read-only view it defines here (World satisfies it),
+so it imports only the records below it (records.py) and never the world; the only thing it writes is its own
+verdict line into the world's trace. Called by the world's parts only (world.py builds it; engines.py and
+dataplane.py call its checks).
 """
 
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from collections.abc import Mapping, Sequence, Set
+from typing import Protocol
 
 import numpy as np
 
-from kvstage.layout import heads_of_rank, page_slice
+from kvstage.layout import KVLayout, heads_of_rank, page_slice
 from kvstage.protocol import DecodeEndpoint, PrefillEndpoint, WriteDirect, WriteRegion
 from kvstage.protocol.actions import Scatter
 from kvstage.protocol.messages import ChunkAck, ChunkReady, Envelope, Grant, Metadata
 from kvstage.protocol.prefill import PrefillRoomState
 from kvstage.protocol.reasons import FAILURE_REASONS
 from kvstage.sim.memory import Owner, expected_kv
-
-if TYPE_CHECKING:
-    from kvstage.sim.records import Node, RoomState
-    from kvstage.sim.world import World
+from kvstage.sim.records import InflightWrite, Node, PrefillInstance, RoomState, Violation
+from kvstage.sim.scenario import SimConfig
+from kvstage.sim.trace import Trace
 
 #: Virtual seconds a room may stay open past its deadline before L1 is violated (one retry round).
 DEADLINE_GRACE_S = 0.05
 
 
-@dataclass(frozen=True, slots=True)
-class Violation:
-    invariant: str
-    time: float
-    detail: str
+class WorldView(Protocol):
+    """What the checker reads of one world (World is one): its time, setup, nodes, rooms and what is in flight."""
 
-    def __str__(self) -> str:
-        return f"{self.invariant} at {self.time * 1000:.3f}ms: {self.detail}"
+    @property
+    def now(self) -> float:
+        """The true (virtual) time of the world."""
+
+    @property
+    def trace(self) -> Trace:
+        """The run's trace; the checker writes only its verdict line there."""
+
+    @property
+    def config(self) -> SimConfig: ...
+
+    @property
+    def layout(self) -> KVLayout: ...
+
+    @property
+    def payloads(self) -> bool:
+        """Writes move real KV bytes (D1 is checked), not only ownership tags."""
+
+    @property
+    def nodes(self) -> Mapping[str, Node]: ...
+
+    @property
+    def rooms(self) -> Mapping[int, RoomState]: ...
+
+    @property
+    def prefill(self) -> Sequence[PrefillInstance]: ...
+
+    @property
+    def writes(self) -> Mapping[int, InflightWrite]:
+        """Writes posted and not landed yet."""
+
+    @property
+    def scatters(self) -> Mapping[tuple[str, int], Set[int]]:
+        """Scatters in flight, by (decode rank, room)."""
+
+    @property
+    def fences(self) -> Mapping[tuple[str, int], Sequence[tuple[Node, int, int]]]:
+        """FenceScatters waiting for their room's scatters, by (decode rank, room)."""
 
 
 class Checker:
     """Checks one world; `violations` holds at most one entry (the run stops at the first)."""
 
-    def __init__(self, world: World) -> None:
+    def __init__(self, world: WorldView) -> None:
         self.world = world
         self.violations: list[Violation] = []
         self.hostile_sent = 0
@@ -85,8 +120,8 @@ class Checker:
 
     def fail(self, invariant: str, detail: str) -> None:
         if not self.violations:
-            self.violations.append(Violation(invariant, self.world.queue.now, detail))
-            self.world.trace.record(self.world.queue.now, "CHECK", f"VIOLATION {invariant}", detail)
+            self.violations.append(Violation(invariant, self.world.now, detail))
+            self.world.trace.record(self.world.now, "CHECK", f"VIOLATION {invariant}", detail)
 
     # ---- ownership of staging regions -------------------------------------------------------------------------
 
@@ -116,7 +151,7 @@ class Checker:
             if delivered or key in self._acked:
                 self._owed.pop(key, None)
             else:
-                self._owed[key] = self.world.queue.now + self.world.config.timing.retry_max_s + DEADLINE_GRACE_S
+                self._owed[key] = self.world.now + self.world.config.timing.retry_max_s + DEADLINE_GRACE_S
 
     def _check_retries(self, now: float) -> None:
         """R4 for every dropped ChunkReady whose retry is due."""
@@ -255,7 +290,7 @@ class Checker:
 
     def after_step(self) -> None:
         """L1: every room whose deadline (plus grace) has passed has ended everywhere it was seen; and R4."""
-        now = self.world.queue.now
+        now = self.world.now
         if self._owed:
             self._check_retries(now)
         while self._deadlines:
@@ -301,7 +336,7 @@ class Checker:
         """The node's process is paused, or has just resumed (its timers run in the next step)."""
         if node.paused_until is not None:
             return True
-        return node.resumed_at is not None and self.world.queue.now < node.resumed_at + DEADLINE_GRACE_S
+        return node.resumed_at is not None and self.world.now < node.resumed_at + DEADLINE_GRACE_S
 
     def all_rooms_done(self) -> bool:
         return not self._deadlines or all(not self.open_ranks(r) for r in self.world.rooms)

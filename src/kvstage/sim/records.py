@@ -2,9 +2,12 @@
 
 Owns the constants of virtual time (how long a forward pass, a write, a scatter and a room's generation take)
 and the mutable records the world keeps: `Node` (one rank), `InflightWrite`, `RoomState` (the sim's own view of
-a room on both sides), `PrefillInstance` / `DecodeInstance` (the engine models' queues) and `RunResult`.
+a room on both sides), `PrefillInstance` / `DecodeInstance` (the engine models' queues), `Violation` (what the
+checker found) and `RunResult`.
 
-Pure data. Called by the world's parts (world.py, core.py, engines.py, dataplane.py), invariants.py and runner.py.
+Pure data, below the checker and the world: it imports only clock.py, memory.py and scenario.py of the
+simulator, never the checker or the world. Called by the checker (invariants.py), the world's parts (core.py,
+engines.py, dataplane.py, world.py) and runner.py.
 """
 
 from __future__ import annotations
@@ -15,7 +18,6 @@ from dataclasses import dataclass, field
 from kvstage.protocol import DecodeEndpoint, Event, PrefillEndpoint, WriteDirect, WriteRegion
 from kvstage.ring import StagingRing
 from kvstage.sim.clock import NodeClock, Scheduled
-from kvstage.sim.invariants import Violation
 from kvstage.sim.memory import KVMemory, PagePool, StagingMemory, Words
 from kvstage.sim.scenario import SIM_TIMING, RoomPlan
 
@@ -35,6 +37,18 @@ BATCH = 2
 DRAIN_S = 3 * SIM_TIMING.dead_after_s
 #: Hard cap on world events per run: a protocol that keeps itself busy forever is a liveness bug.
 MAX_STEPS = 2_000_000
+
+
+@dataclass(frozen=True, slots=True)
+class Violation:
+    """An invariant the checker found broken (invariants.py), when, and how."""
+
+    invariant: str
+    time: float
+    detail: str
+
+    def __str__(self) -> str:
+        return f"{self.invariant} at {self.time * 1000:.3f}ms: {self.detail}"
 
 
 @dataclass(slots=True)

@@ -1,4 +1,5 @@
-"""`kvstage demo`: an end-to-end handoff through the real runtime agents, in one process, with a printed report.
+"""`kvstage demo --synthetic`: an end-to-end handoff through the real runtime agents, in one process, with no vLLM
+and no model, and a printed report.
 
 Owns the demo scenario and its report. It starts a `BootstrapServer`, prefill `PrefillAgent`s and decode
 `DecodeAgent`s (default: TP=4 to TP=2, a small llama-like layout) in this process, on the embedded `local`
@@ -11,7 +12,7 @@ Invariants it verifies and reports: every succeeded room's decode pool bytes equ
 prefill pools' KV of the heads that rank owns; the aborted room fails with "aborted by decode" on every rank and
 decode gets its pages back; bytes and bulk writes equal what the staging plans predict; every ring is empty,
 every page returned, no frame rejected, no internal error, no shared-memory segment left. The agents and the
-bootstrap are closed on every path. Called by `kvstage demo` (cli.py) and tests/runtime/test_demo.py.
+bootstrap are closed on every path. Called by `kvstage demo --synthetic` (cli.py) and tests/runtime/test_demo.py.
 """
 
 from __future__ import annotations
@@ -27,9 +28,9 @@ from typing import TypeVar
 
 import torch
 from rich.console import Console
-from rich.table import Table
 
 from kvstage.dataplane import KVPool, plan_direct_slices
+from kvstage.demo.summary import summary_table
 from kvstage.layout import ChunkGrid, KVLayout, heads_of_rank, pages_for, plan_head_transfers, plan_staging
 from kvstage.runtime import AgentConfig, DecodeAgent, PrefillAgent, RoomOutcome
 from kvstage.runtime.agent import BaseAgent
@@ -423,48 +424,48 @@ def print_report(report: DemoReport, console: Console | None = None) -> None:
         "(PrefillAgent -> DecodeAgent) over ZeroMQ and shared memory, in one process, with no model "
         "(seeded random KV stands in for the forward pass)."
     )
-    table = Table(show_header=False, box=None, pad_edge=False)
-    table.add_column(style="dim")
-    table.add_column()
-    table.add_row(
-        "layout",
-        f"{layout.num_layers} layers x {layout.num_kv_heads} KV heads x {layout.head_dim}, {layout.dtype}, "
-        f"page {layout.page_size}",
-    )
-    table.add_row(
-        "handoff",
-        f"prefill TP={cfg.prefill_tp} -> decode TP={cfg.decode_tp}, chunk {cfg.chunk_tokens} tokens, "
-        "backend local (shared memory), control over ZeroMQ, bootstrap in-process",
-    )
-    for result in report.rooms:
-        table.add_row(f"room {result.room}", f"{_describe(result.request)}: {_room_line(result)}")
-    table.add_row(
-        "bytes moved",
-        f"{_mib(report.bytes_moved)} in {report.chunks} chunks (plan: {_mib(report.expected_bytes)})",
-    )
-    table.add_row(
-        "transfer ops",
-        f"{report.staged_ops} staged bulk writes (plan: {report.expected_ops}) vs {report.direct_slices} "
-        f"per-slice ops ({report.direct_writes} contiguous writes) for the same tokens = "
-        f"{report.direct_slices / max(1, report.staged_ops):.0f}x fewer",
-    )
     through = cfg.decode_tp * report.ring_capacity
-    table.add_row(
-        "staging rings",
-        f"{_mib(report.ring_capacity)} per decode rank, wrapped: ~{report.bytes_moved / max(1, through):.0f}x its "
-        f"size passed through; granted high water {_mib(report.ring_high_water)} (over-committed, each region "
-        "written only once free)",
-    )
-    table.add_row("checksum decode", report.decode_digest)
-    table.add_row(
-        "checksum prefill", f"{report.expected_digest} {_verdict(report.expected_digest == report.decode_digest)}"
-    )
-    table.add_row("counts match plan", _verdict(report.counts_match))
-    table.add_row("rings empty at end", f"{_verdict(report.rings_empty)} (decode rings; prefill staging idle)")
-    table.add_row("pages all returned", f"{_verdict(report.pages_returned)} (prefill and decode)")
-    table.add_row("rejected frames", f"{report.rejected_frames} {_verdict(report.rejected_frames == 0)}")
-    table.add_row("internal errors", f"{report.internal_errors} {_verdict(report.internal_errors == 0)}")
-    table.add_row("shared memory freed", _verdict(not report.shm_left) + "".join(f" {n}" for n in report.shm_left))
-    table.add_row("wall time", f"{report.seconds:.2f} s (agents started and closed)")
-    console.print(table)
+    rooms = [(f"room {r.room}", f"{_describe(r.request)}: {_room_line(r)}") for r in report.rooms]
+    rows = [
+        (
+            "layout",
+            f"{layout.num_layers} layers x {layout.num_kv_heads} KV heads x {layout.head_dim}, {layout.dtype}, "
+            f"page {layout.page_size}",
+        ),
+        (
+            "handoff",
+            f"prefill TP={cfg.prefill_tp} -> decode TP={cfg.decode_tp}, chunk {cfg.chunk_tokens} tokens, "
+            "backend local (shared memory), control over ZeroMQ, bootstrap in-process",
+        ),
+        *rooms,
+        (
+            "bytes moved",
+            f"{_mib(report.bytes_moved)} in {report.chunks} chunks (plan: {_mib(report.expected_bytes)})",
+        ),
+        (
+            "transfer ops",
+            f"{report.staged_ops} staged bulk writes (plan: {report.expected_ops}) vs {report.direct_slices} "
+            f"per-slice ops ({report.direct_writes} contiguous writes) for the same tokens = "
+            f"{report.direct_slices / max(1, report.staged_ops):.0f}x fewer",
+        ),
+        (
+            "staging rings",
+            f"{_mib(report.ring_capacity)} per decode rank, wrapped: ~{report.bytes_moved / max(1, through):.0f}x "
+            f"its size passed through; granted high water {_mib(report.ring_high_water)} (over-committed, each "
+            "region written only once free)",
+        ),
+        ("checksum decode", report.decode_digest),
+        (
+            "checksum prefill",
+            f"{report.expected_digest} {_verdict(report.expected_digest == report.decode_digest)}",
+        ),
+        ("counts match plan", _verdict(report.counts_match)),
+        ("rings empty at end", f"{_verdict(report.rings_empty)} (decode rings; prefill staging idle)"),
+        ("pages all returned", f"{_verdict(report.pages_returned)} (prefill and decode)"),
+        ("rejected frames", f"{report.rejected_frames} {_verdict(report.rejected_frames == 0)}"),
+        ("internal errors", f"{report.internal_errors} {_verdict(report.internal_errors == 0)}"),
+        ("shared memory freed", _verdict(not report.shm_left) + "".join(f" {n}" for n in report.shm_left)),
+        ("wall time", f"{report.seconds:.2f} s (agents started and closed)"),
+    ]
+    console.print(summary_table(rows))
     console.print("[bold green]OK: bit-exact[/bold green]" if report.ok else "[bold red]FAILED[/bold red]")

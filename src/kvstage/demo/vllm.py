@@ -1,5 +1,5 @@
-"""`kvstage demo`: prompts in, tokens out, through a vLLM prefill instance and a vLLM decode instance of
-different TP sizes, with kvstage moving the KV between them; every request verified twice.
+"""`kvstage demo`, the vLLM demo: prompts in, tokens out, through a vLLM prefill instance and a vLLM decode
+instance of different TP sizes, with kvstage moving the KV between them; every request verified twice.
 
 Owns `DemoOptions`, `DemoReport` and `run_demo`, which:
 1. builds the tiny local model once (kvstage.e2e.model) and starts, on the loopback address, `kvstage bootstrap`,
@@ -16,7 +16,7 @@ Owns `DemoOptions`, `DemoReport` and `run_demo`, which:
 
 With `shared_prefix_tokens = N`, every prompt starts with the same N tokens; the first request goes alone, so the
 others find those tokens in decode's prefix cache and kvstage moves only the rest.
-Called by the `kvstage demo` command and the end-to-end tests.
+Called by the `kvstage demo` command (cli.py).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from pathlib import Path
 
 import httpx
 
+from kvstage.demo.summary import summary_table
 from kvstage.e2e.model import TinyModelSpec, build_tiny_model
 from kvstage.e2e.servers import VLLMServerSpec, free_port, start_bootstrap, start_router, start_vllm
 from kvstage.e2e.verify import check_rooms, decode_rooms, read_counters
@@ -252,11 +253,7 @@ def _report(
 
 def print_summary(report: DemoReport, options: DemoOptions) -> None:
     from rich.console import Console
-    from rich.table import Table
 
-    table = Table(title=f"kvstage demo: vLLM prefill TP={options.prefill_tp} -> decode TP={options.decode_tp}")
-    table.add_column("measure")
-    table.add_column("value", justify="right")
     rows = [
         ("requests", f"{report.requests}"),
         ("verified (KV bit-exact and tokens equal)", f"{report.verified}"),
@@ -271,9 +268,8 @@ def print_summary(report: DemoReport, options: DemoOptions) -> None:
         ("transfer rate", f"{report.transfer_gbps:.2f} GB/s"),
         ("ring high water", f"{report.ring_high_water_bytes:,} B"),
     ]
-    for name, value in rows:
-        table.add_row(name, value)
     console = Console()
-    console.print(table)
+    title = f"kvstage demo: vLLM prefill TP={options.prefill_tp} -> decode TP={options.decode_tp}"
+    console.print(summary_table(rows, title))
     for problem in report.problems:
         console.print(f"[red]{problem}[/red]")
