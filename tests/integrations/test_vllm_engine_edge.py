@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -35,27 +36,28 @@ def bootstrap() -> Iterator[str]:
     server.close()
 
 
-def make_pair(
-    model: Path,
-    bootstrap: str,
-    prefill_tp: int = 2,
-    decode_tp: int = 1,
-    async_scheduling: bool = False,
-    **prefill: object,
-) -> Pair:
-    return Pair(
-        Engine("prefill", "P", prefill_tp, model, bootstrap, async_scheduling=async_scheduling, **prefill),  # type: ignore[arg-type]
-        Engine("decode", "D", decode_tp, model, bootstrap, async_scheduling=async_scheduling),
-    )
-
-
 @pytest.fixture
-def pairs(model: Path, bootstrap: str) -> Iterator[list[Pair]]:
+def make_pair(model: Path, bootstrap: str) -> Iterator[Callable[..., Pair]]:
+    """A prefill (TP 2 unless told) and a decode engine (TP 1), closed after the test."""
     made: list[Pair] = []
-    yield made
+
+    def make(prefill_tp: int = 2, decode_tp: int = 1, async_scheduling: bool = False, **prefill: Any) -> Pair:
+        pair = Pair(
+            Engine("prefill", "P", prefill_tp, model, bootstrap, async_scheduling=async_scheduling, **prefill),
+            Engine("decode", "D", decode_tp, model, bootstrap, async_scheduling=async_scheduling),
+        )
+        made.append(pair)
+        return pair
+
+    yield make
     for pair in made:
         pair.prefill.close()
         pair.decode.close()
+
+
+#: a prefill engine small enough that four concurrent 250-token prompts preempt each other (20 blocks of 16 tokens,
+#: at most 32 tokens of one prompt per step)
+PREEMPTING: dict[str, Any] = {"num_blocks": 20, "max_batched_tokens": 128, "chunk_cap": 32}
 
 
 def prompt(seed: int, n: int) -> list[int]:
@@ -71,10 +73,9 @@ def assert_clean(pair: Pair) -> None:
 
 @pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 1), (1, 2)], ids=["2to1", "1to2"])
 def test_requests_get_their_prompts_kv_and_every_block_is_freed_once(
-    model: Path, bootstrap: str, pairs: list[Pair], prefill_tp: int, decode_tp: int
+    make_pair: Callable[..., Pair], prefill_tp: int, decode_tp: int
 ) -> None:
-    pair = make_pair(model, bootstrap, prefill_tp, decode_tp)
-    pairs.append(pair)
+    pair = make_pair(prefill_tp, decode_tp)
     for i in range(3):
         pair.send(f"r{i}", prompt(i, 90 + 20 * i), room=100 + i)
     pair.run()
@@ -82,9 +83,8 @@ def test_requests_get_their_prompts_kv_and_every_block_is_freed_once(
     assert_clean(pair)
 
 
-def test_a_prompt_prefilled_in_many_chunked_steps_arrives_whole(model: Path, bootstrap: str, pairs: list[Pair]) -> None:
-    pair = make_pair(model, bootstrap, max_batched_tokens=32)
-    pairs.append(pair)
+def test_a_prompt_prefilled_in_many_chunked_steps_arrives_whole(make_pair: Callable[..., Pair]) -> None:
+    pair = make_pair(max_batched_tokens=32)
     pair.send("long", prompt(7, 300), room=7)
     pair.run()
     assert pair.intact == {"long"}
@@ -92,12 +92,11 @@ def test_a_prompt_prefilled_in_many_chunked_steps_arrives_whole(model: Path, boo
 
 
 def test_a_preempted_prefill_request_never_kills_the_engine_and_decode_recomputes_it(
-    model: Path, bootstrap: str, pairs: list[Pair]
+    make_pair: Callable[..., Pair],
 ) -> None:
     """At 5ef7c43 vLLM's scheduler asserted on a finished_sending id of a request the preemption had already let
     go (the engine core died)."""
-    pair = make_pair(model, bootstrap, num_blocks=20, max_batched_tokens=128, chunk_cap=32)
-    pairs.append(pair)
+    pair = make_pair(**PREEMPTING)
     for i in range(4):
         pair.send(f"r{i}", prompt(20 + i, 250), room=20 + i)
     pair.run()
@@ -108,13 +107,11 @@ def test_a_preempted_prefill_request_never_kills_the_engine_and_decode_recompute
 
 @pytest.mark.parametrize("preempt", [False, True], ids=["plain", "preempting"])
 def test_with_async_scheduling_every_request_ends_and_every_block_is_freed_once(
-    model: Path, bootstrap: str, pairs: list[Pair], preempt: bool
+    make_pair: Callable[..., Pair], preempt: bool
 ) -> None:
     """vLLM's async scheduling schedules step N+1 before it has seen step N's output: the connector's reports
     reach the scheduler a step late, and a preemption frees blocks that the step in flight still wrote."""
-    sizes = {"num_blocks": 20, "max_batched_tokens": 128, "chunk_cap": 32} if preempt else {}
-    pair = make_pair(model, bootstrap, async_scheduling=True, **sizes)
-    pairs.append(pair)
+    pair = make_pair(async_scheduling=True, **(PREEMPTING if preempt else {}))
     for i in range(4):
         pair.send(f"r{i}", prompt(30 + i, 250 if preempt else 100), room=30 + i)
     pair.run()
@@ -123,11 +120,8 @@ def test_with_async_scheduling_every_request_ends_and_every_block_is_freed_once(
     assert_clean(pair)
 
 
-def test_a_request_preempted_and_aborted_in_the_same_step_is_reported_to_no_one(
-    model: Path, bootstrap: str, pairs: list[Pair]
-) -> None:
-    pair = make_pair(model, bootstrap, num_blocks=20, max_batched_tokens=128, chunk_cap=32)
-    pairs.append(pair)
+def test_a_request_preempted_and_aborted_in_the_same_step_is_reported_to_no_one(make_pair: Callable[..., Pair]) -> None:
+    pair = make_pair(**PREEMPTING)
     for i in range(4):
         pair.send(f"r{i}", prompt(40 + i, 250), room=40 + i)
     deadline = time.monotonic() + 30
@@ -143,10 +137,9 @@ def test_a_request_preempted_and_aborted_in_the_same_step_is_reported_to_no_one(
 
 @pytest.mark.parametrize("side", ["prefill", "decode"])
 def test_a_client_abort_on_either_side_ends_the_room_and_frees_every_block(
-    model: Path, bootstrap: str, pairs: list[Pair], side: str
+    make_pair: Callable[..., Pair], side: str
 ) -> None:
-    pair = make_pair(model, bootstrap, max_batched_tokens=32)
-    pairs.append(pair)
+    pair = make_pair(max_batched_tokens=32)
     pair.send("gone", prompt(60, 200), room=60)
     pair.send("stays", prompt(61, 100), room=61)
     for _ in range(3):
@@ -158,13 +151,10 @@ def test_a_client_abort_on_either_side_ends_the_room_and_frees_every_block(
     assert_clean(pair)
 
 
-def test_n_children_sharing_one_routers_room_each_get_a_room_and_their_kv(
-    model: Path, bootstrap: str, pairs: list[Pair]
-) -> None:
+def test_n_children_sharing_one_routers_room_each_get_a_room_and_their_kv(make_pair: Callable[..., Pair]) -> None:
     """vLLM gives every child of an n>1 request the same kv_transfer_params; at 5ef7c43 the children shared one
     room and one of them waited for its KV forever."""
-    pair = make_pair(model, bootstrap)
-    pairs.append(pair)
+    pair = make_pair()
     same = prompt(70, 120)
     for child in ("0_req", "1_req"):
         pair.send(child, same, room=70)
@@ -174,11 +164,8 @@ def test_n_children_sharing_one_routers_room_each_get_a_room_and_their_kv(
     assert_clean(pair)
 
 
-def test_a_list_of_prompts_sharing_one_routers_room_each_get_their_own_kv(
-    model: Path, bootstrap: str, pairs: list[Pair]
-) -> None:
-    pair = make_pair(model, bootstrap)
-    pairs.append(pair)
+def test_a_list_of_prompts_sharing_one_routers_room_each_get_their_own_kv(make_pair: Callable[..., Pair]) -> None:
+    pair = make_pair()
     for i in range(2):
         pair.send(f"req-{i}", prompt(80 + i, 100), room=80)
     pair.run()
@@ -201,11 +188,10 @@ def test_a_list_of_prompts_sharing_one_routers_room_each_get_their_own_kv(
     ids=["room-str", "no-peer", "negative", "huge-tp", "huge-room", "bool-room", "list-peer", "long-peer"],
 )
 def test_malformed_kvstage_params_are_refused_counted_and_the_request_runs_without_kvstage(
-    model: Path, bootstrap: str, pairs: list[Pair], params: dict[str, object]
+    make_pair: Callable[..., Pair], params: dict[str, object]
 ) -> None:
     """At 5ef7c43 RoomParams raised inside vLLM's schedule(): one request killed the engine."""
-    pair = make_pair(model, bootstrap, prefill_tp=1)
-    pairs.append(pair)
+    pair = make_pair(prefill_tp=1)
     pair.decode.add("bad", prompt(90, 40), params, max_tokens=2)
     pair.run()
     assert pair.decode.scheduler.connector.refused["bad params"] == 1
@@ -214,10 +200,9 @@ def test_malformed_kvstage_params_are_refused_counted_and_the_request_runs_witho
 
 
 def test_a_request_prefill_gives_up_before_attaching_fails_decodes_room_within_seconds(
-    model: Path, bootstrap: str, pairs: list[Pair]
+    make_pair: Callable[..., Pair],
 ) -> None:
-    pair = make_pair(model, bootstrap)
-    pairs.append(pair)
+    pair = make_pair()
     pair.decode.add("r", prompt(95, 100), pair.params(95, pair.decode))
     pair.prefill.add("r", prompt(95, 100), pair.params(95, pair.prefill), max_tokens=1)
     pair.decode.step()  # decode registers the room; prefill has not scheduled its request yet
@@ -229,11 +214,8 @@ def test_a_request_prefill_gives_up_before_attaching_fails_decodes_room_within_s
     assert_clean(pair)
 
 
-def test_a_room_paired_with_another_prompt_fails_instead_of_landing(
-    model: Path, bootstrap: str, pairs: list[Pair]
-) -> None:
-    pair = make_pair(model, bootstrap)
-    pairs.append(pair)
+def test_a_room_paired_with_another_prompt_fails_instead_of_landing(make_pair: Callable[..., Pair]) -> None:
+    pair = make_pair()
     pair.decode.add("r", prompt(96, 100), pair.params(96, pair.decode))
     pair.prefill.add("r", prompt(97, 100), pair.params(96, pair.prefill), max_tokens=1)  # a misrouted room
     pair.run()
