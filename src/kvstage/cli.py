@@ -277,7 +277,8 @@ def router(
     insecure: bool = typer.Option(False, "--insecure", help=_INSECURE_HELP),
 ) -> None:
     """Serve OpenAI-compatible completions through one prefill and one decode vLLM server per request."""
-    from kvstage.router.app import RouterConfig, serve
+    from kvstage.router.app import serve
+    from kvstage.router.config import RouterConfig
     from kvstage.router.instances import Instance, Role, parse_instance
 
     secret = _start_service("router", _zmq_address(host, port), secret_file, insecure)
