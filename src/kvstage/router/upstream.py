@@ -12,9 +12,9 @@ Owns:
   engine requests it makes up itself, which no room can pair with prefill), or None;
 - `upstream_headers`: the headers of every upstream request (request id, the upstream key; never the client's);
 - `UpstreamFailure`: one failed upstream request, with the instance, a short reason from a fixed vocabulary
-  (`connect`, `timeout`, `protocol`, `http_5xx`, `http_4xx`, and from the TP lookup `unregistered` and
-  `bootstrap`; the router adds `internal` for a prefill request that raised, a bug) and the HTTP status the client
-  gets;
+  (`connect`, `timeout`, `protocol`, `http_5xx`, `http_4xx`; from the TP lookup `unregistered` and `bootstrap`;
+  `unavailable` when no instance of a role can take a request) and the HTTP status the client gets; whether it
+  blames the instance (its breaker counts it) and whether another instance may succeed (a retry);
 - `failure_from_exception` / `failure_from_response`: httpx errors and upstream error replies as `UpstreamFailure`;
 - `read_bounded`: an upstream body read up to a byte limit (error messages are never buffered without bound).
 
