@@ -69,20 +69,13 @@ class ServedApp:
         wait_until(lambda: self._server.started, f"uvicorn at {self.url} to start")
 
     def stop(self) -> None:
-        """Ask the server to stop (`close` waits for it): stopping several at once saves their shutdown times."""
+        """Ask the server to stop; `close` waits for it."""
         self._server.should_exit = True
 
     def close(self) -> None:
         self.stop()
         self._thread.join(10)
         self._sock.close()
-
-
-def close_all(served: list[ServedApp]) -> None:
-    for s in served:
-        s.stop()
-    for s in served:
-        s.close()
 
 
 @dataclass
@@ -300,17 +293,28 @@ def register_instances(address: str, secret: bytes | None = None) -> None:
 
 
 @pytest.fixture
-def upstreams() -> Iterator[Callable[[str, Role], FakeVLLM]]:
-    """Makes fake vLLM servers that share one room book; all are stopped at the end."""
+def serving() -> Iterator[list[ServedApp]]:
+    """The servers a test started (fakes and routers): all stopped at once at its end, which saves their shutdown
+    times."""
+    served: list[ServedApp] = []
+    yield served
+    for s in served:
+        s.stop()
+    for s in served:
+        s.close()
+
+
+@pytest.fixture
+def upstreams(serving: list[ServedApp]) -> Callable[[str, Role], FakeVLLM]:
+    """Makes fake vLLM servers that share one room book."""
     rooms = Rooms()
-    made: list[FakeVLLM] = []
 
     def make(name: str, role: Role) -> FakeVLLM:
-        made.append(FakeVLLM(name, role, rooms))
-        return made[-1]
+        fake = FakeVLLM(name, role, rooms)
+        serving.append(fake.served)
+        return fake
 
-    yield make
-    close_all([fake.served for fake in made])
+    return make
 
 
 @dataclass
@@ -323,20 +327,18 @@ class RunningRouter:
 
 
 @pytest.fixture
-def start_router(bootstrap: BootstrapServer) -> Iterator[Callable[..., RunningRouter]]:
+def start_router(bootstrap: BootstrapServer, serving: list[ServedApp]) -> Callable[..., RunningRouter]:
     """Starts a router (real uvicorn on loopback) in front of the given instances (and `bootstrap`, unless the
     options name another)."""
-    served: list[ServedApp] = []
 
     def start(prefill: list[Instance], decode: list[Instance], **options: Any) -> RunningRouter:
         address = options.pop("bootstrap", bootstrap.address)
         config = RouterConfig(address, tuple(prefill), tuple(decode), **options)
         app = create_app(config)
-        served.append(ServedApp(app))
-        return RunningRouter(served[-1].url, app.state.router)
+        serving.append(ServedApp(app))
+        return RunningRouter(serving[-1].url, app.state.router)
 
-    yield start
-    close_all(served)
+    return start
 
 
 def closed_port_url() -> str:

@@ -106,7 +106,7 @@ def test_an_instance_whose_health_fails_is_skipped_until_it_answers_again(trio, 
 def test_with_the_bootstrap_down_concurrent_requests_do_not_wait_for_each_others_lookups(trio, start_router) -> None:
     prefill, d0, d1 = trio
     silent = closed_port_url().replace("http://", "tcp://")
-    options = {"bootstrap": silent, "bootstrap_timeout_s": 2.0, "tp_retry_s": 0.0}  # every request looks up
+    options = {"bootstrap": silent, "bootstrap_timeout_s": 2.0}
     router = start_router([prefill.instance], [d0.instance, d1.instance], **options)
     replies: list[httpx.Response] = []
 
@@ -114,15 +114,15 @@ def test_with_the_bootstrap_down_concurrent_requests_do_not_wait_for_each_others
         replies.append(httpx.post(router.url + "/v1/completions", json=BODY, timeout=30))
 
     started = time.monotonic()
-    clients = [threading.Thread(target=post) for _ in range(6)]
+    clients = [threading.Thread(target=post) for _ in range(8)]
     for t in clients:
         t.start()
     metrics = httpx.get(router.url + "/metrics", timeout=5)  # the event loop is not blocked meanwhile
-    assert metrics.status_code == 200 and time.monotonic() - started < 1.5
+    assert metrics.status_code == 200 and time.monotonic() - started < 1.9  # less than one lookup's time
     for t in clients:
         t.join()
-    assert time.monotonic() - started < 5.0  # one lookup's time (2 s) each, not 6 or 12 of them in a row
-    assert [r.status_code for r in replies] == [503] * 6
+    assert time.monotonic() - started < 8.0  # a lookup's time (2 s) or two, not 8 of them in a row
+    assert [r.status_code for r in replies] == [503] * 8
     assert {r.json()["error"]["reason"] for r in replies} == {"bootstrap"}
     assert not d0.received and not d1.received
 

@@ -261,31 +261,47 @@ class ProxyEndpoint:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         router = self.router
-        started = time.monotonic()
+        outcome = _Outcome(router.metrics, self.path)
         if not router.take_slot():
-            router.metrics.request_done(self.path, "busy")
+            outcome.set("busy")
             busy = error_response(429, f"the router has {router.config.max_concurrent} requests in flight", "busy")
             await busy(scope, receive, send)
             return
-        outcome = "client_disconnected"  # unless the request reaches an end of its own
         try:
-            outcome = await self._serve(scope, receive, send, started)
+            await self._serve(scope, receive, send, outcome)
         finally:
+            outcome.set("client_disconnected")  # unless the request reached an end of its own
             router.release_slot()
-            router.metrics.request_done(self.path, outcome)
-            router.metrics.request_seconds.labels(self.path).observe(time.monotonic() - started)
 
-    async def _serve(self, scope: Scope, receive: Receive, send: Send, started: float) -> str:
+    async def _serve(self, scope: Scope, receive: Receive, send: Send, outcome: _Outcome) -> None:
         try:
             body = await _read_json(Request(scope, receive), self.router.config.max_body_bytes)
         except _BadBody as exc:
+            outcome.set("bad_request")
             await error_response(exc.status, str(exc), "invalid_request_error")(scope, receive, send)
-            return "bad_request"
+            return
         except ClientDisconnect:
-            return "client_disconnected"
-        exchange = _Exchange(self.router, self.path, self.chat, request_id_of(scope), body, started)
+            return
+        exchange = _Exchange(self.router, self.path, self.chat, request_id_of(scope), body, outcome)
         await exchange.run(scope, receive, send)
-        return exchange.outcome or "client_disconnected"
+
+
+class _Outcome:
+    """How one request ended, recorded once (`requests_total`, `request_seconds`), as soon as it is known: before
+    the answer's last byte goes out, so that whoever has the answer finds it counted."""
+
+    def __init__(self, metrics: RouterMetrics, endpoint: str) -> None:
+        self.metrics = metrics
+        self.endpoint = endpoint
+        self.started = time.monotonic()  # when the request arrived
+        self.value: str | None = None
+
+    def set(self, outcome: str) -> None:
+        if self.value is not None:
+            return
+        self.value = outcome
+        self.metrics.request_done(self.endpoint, outcome)
+        self.metrics.request_seconds.labels(self.endpoint).observe(time.monotonic() - self.started)
 
 
 @dataclass
@@ -311,9 +327,11 @@ class _PrefillRun:
 
 
 class _Exchange:
-    """One client request's attempts and answer, all in one task group (`run`); `outcome` once it has one."""
+    """One client request's attempts and answer, all in one task group (`run`)."""
 
-    def __init__(self, router: Router, path: str, chat: bool, request_id: str, body: JSONBody, started: float) -> None:
+    def __init__(
+        self, router: Router, path: str, chat: bool, request_id: str, body: JSONBody, outcome: _Outcome
+    ) -> None:
         self.router = router
         self.config = router.config
         self.metrics = router.metrics
@@ -322,8 +340,7 @@ class _Exchange:
         self.request_id = request_id
         self.body = body
         self.headers = upstream_headers(request_id, self.config.upstream_api_key)
-        self.started = started  # when the request arrived
-        self.outcome: str | None = None
+        self.outcome = outcome
 
     def _log(self, level: int, message: str, *args: object) -> None:
         log.log(level, "request %s: " + message, self.request_id, *args)
@@ -337,7 +354,7 @@ class _Exchange:
     async def _watch_client(self, receive: Receive, tasks: TaskGroup) -> None:
         while (await receive())["type"] != "http.disconnect":
             continue
-        if self.outcome is None:
+        if self.outcome.value is None:
             self._log(logging.INFO, "the client went away; cancelling the upstream requests")
         tasks.cancel_scope.cancel()
 
@@ -364,7 +381,7 @@ class _Exchange:
             if not failure.retryable:
                 break
         failure = failure or self.router.unavailable(self.router.decode)
-        self.outcome = _outcome_of(failure)
+        self.outcome.set(_outcome_of(failure))
         await _failure_response(failure)(scope, receive, send)
 
     async def _attempt(self, decode: Instance, tasks: TaskGroup) -> _Opened | UpstreamFailure:
@@ -396,7 +413,7 @@ class _Exchange:
 
     async def _fall_back(self, decode: Instance, reason: str, why: str) -> _Opened | UpstreamFailure:
         self.metrics.fallback(reason)
-        self._log(logging.WARNING, "%s: %s computes the prompt itself", why, decode.describe())
+        self._log(logging.INFO, "%s: %s computes the prompt itself", why, decode.describe())
         return await self._decode_alone(decode)
 
     async def _decode_alone(self, decode: Instance) -> _Opened | UpstreamFailure:
@@ -489,7 +506,7 @@ class _Exchange:
         headers = [] if content_type is None else [(b"content-type", content_type.encode("latin-1"))]
         try:
             await send({"type": "http.response.start", "status": response.status_code, "headers": headers})
-            self.metrics.first_byte_seconds.labels(self.path).observe(time.monotonic() - self.started)
+            self.metrics.first_byte_seconds.labels(self.path).observe(time.monotonic() - self.outcome.started)
             await send({"type": "http.response.body", "body": opened.first, "more_body": True})
             try:
                 async for chunk in opened.rest:
@@ -498,13 +515,13 @@ class _Exchange:
                 failure = failure_from_exception(opened.decode, exc)
                 self._upstream_failed(failure, "decode broke off its answer")
                 self.router.decode.failed(failure)
-                self.outcome = _outcome_of(failure)
+                self.outcome.set(_outcome_of(failure))
                 if not (content_type or "").startswith("text/event-stream"):
                     return  # without the end of the body, the server cuts the connection
                 event = f"data: {json.dumps(failure.error_body())}\n\n".encode()
                 await send({"type": "http.response.body", "body": event, "more_body": True})
             else:
-                self.outcome = "ok"
+                self.outcome.set("ok")
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
             await _close(response)
