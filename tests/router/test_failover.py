@@ -73,7 +73,7 @@ def test_a_breaker_lets_one_trial_through_after_its_cooldown_and_closes_when_it_
     options = {"probe_interval_s": 3600.0, "breaker_failures": 2, "breaker_cooldown_s": 0.3}
     router = start_router([prefill.instance], [d0.instance, d1.instance], **options)
     with httpx.Client(timeout=10) as client:
-        wait_until(lambda: _post(client, router.url).status_code == 200 and d1_open(router), "D1's breaker to open")
+        wait_until(lambda: _post(client, router.url).status_code == 200 and _open(router, "D1"), "D1's breaker to open")
         d1.mode = "ok"
         seen = len(d1.received)
         wait_until(lambda: _post(client, router.url).status_code == 200 and len(d1.received) > seen, "a trial at D1")
@@ -84,8 +84,8 @@ def test_a_breaker_lets_one_trial_through_after_its_cooldown_and_closes_when_it_
     assert len(d1.received) - before == 2  # in turn again
 
 
-def d1_open(router) -> bool:
-    return router.metric("kvstage_router_breaker_state", role="decode", instance="D1") == 2
+def _open(router, decode: str) -> bool:
+    return router.metric("kvstage_router_breaker_state", role="decode", instance=decode) == 2
 
 
 def test_an_instance_whose_health_fails_is_skipped_until_it_answers_again(trio, start_router) -> None:

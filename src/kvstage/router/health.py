@@ -7,9 +7,10 @@ Owns:
   request (half-open); the trial's success closes it, its failure opens it for another cooldown, and a trial that
   brings no verdict within a cooldown (cancelled, say) lets the next one through;
 - `Pool`: the instances of one role, their breakers and probe results; `pick` hands out the next instance in turn
-  that is not excluded, not down by its probe, allowed by its breaker and usable (the caller's check: a known TP
-  size); `succeeded` / `failed` are the passive verdicts of the requests (only failures that blame the instance
-  count: connect errors, timeouts, broken connections, 5xx; a refused request is the request's fault);
+  that is not excluded, not down by its probe, allowed by its breaker and usable (the caller's check: its TP size
+  lookup has not just failed); `succeeded` / `failed` are the passive verdicts of the requests (only failures
+  that blame the instance count: connect errors, timeouts, broken connections, 5xx; a refused request is the
+  request's fault, and proves the instance answers);
 - `Prober`: the active check, every instance's `GET /health` every `interval_s` in the background; a failed probe
   takes the instance out of selection until a probe succeeds.
 

@@ -7,10 +7,10 @@ the concurrency slots and the metrics; `run` keeps the background tasks going fo
 
 One client request (`ProxyEndpoint`, then `_Exchange`):
 1. take a concurrency slot (429 when none is left) and read the body (bounded: 413; not a JSON object: 400);
-2. an attempt: pick a decode instance (in turn among those up, allowed by their breaker, with a known TP size and
-   not yet tried for this request) and a prefill instance likewise, draw a new room and send both upstream
-   requests at once. Decode's answer is held back until its first body byte: its headers alone prove nothing
-   (vLLM may send them before it has the KV);
+2. an attempt: pick a decode instance (in turn among those up, allowed by their breaker, whose TP size lookup has
+   not just failed, and not yet tried for this request) and a prefill instance likewise, draw a new room and send
+   both upstream requests at once. Decode's answer is held back until its first body byte: its headers alone
+   prove nothing (vLLM may send them before it has the KV);
 3. decode fails before that byte (connect error, 5xx, timeout, broken connection, not registered): the attempt's
    prefill request is cancelled and a new attempt starts on another decode instance with a new room, up to
    `max_attempts` attempts in all; a refused request (decode's 4xx) is the client's answer;
