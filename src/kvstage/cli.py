@@ -273,11 +273,45 @@ def router(
     prefill_timeout: float = typer.Option(
         300.0, "--prefill-timeout", min=0.001, help="Seconds a prefill request may take in all."
     ),
+    max_attempts: int = typer.Option(
+        3, "--max-attempts", min=1, help="Decode instances a request is tried on (a new room each) before it fails."
+    ),
+    probe_interval: float = typer.Option(
+        2.0, "--probe-interval", min=0.01, help="Seconds between two /health probes of every instance."
+    ),
+    health_timeout: float = typer.Option(
+        2.0, "--health-timeout", min=0.001, help="Seconds a /health probe (and a /v1/models request) may take."
+    ),
+    breaker_failures: int = typer.Option(
+        3, "--breaker-failures", min=1, help="Failures in a row that take an instance out (its breaker opens)."
+    ),
+    breaker_cooldown: float = typer.Option(
+        10.0, "--breaker-cooldown", min=0.0, help="Seconds an open breaker waits before one trial request."
+    ),
+    bootstrap_timeout: float = typer.Option(
+        2.0, "--bootstrap-timeout", min=0.001, help="Seconds a TP size lookup from the bootstrap may take."
+    ),
+    api_key: str | None = typer.Option(
+        None,
+        "--api-key",
+        envvar="KVSTAGE_API_KEY",
+        show_envvar=True,
+        help="Require 'Authorization: Bearer KEY' on /v1/* (prefer the environment variable).",
+    ),
+    upstream_api_key: str | None = typer.Option(
+        None,
+        "--upstream-api-key",
+        envvar="KVSTAGE_UPSTREAM_API_KEY",
+        show_envvar=True,
+        help="Key sent to the vLLM servers (their --api-key); the client's Authorization is never forwarded.",
+    ),
     secret_file: str | None = typer.Option(None, "--secret-file", help=_SECRET_FILE_HELP),
     insecure: bool = typer.Option(False, "--insecure", help=_INSECURE_HELP),
 ) -> None:
-    """Serve OpenAI-compatible completions through one prefill and one decode vLLM server per request."""
-    from kvstage.router.app import RouterConfig, serve
+    """Serve OpenAI-compatible completions through one prefill and one decode vLLM server per request, retrying on
+    another decode instance and falling back to decode alone when prefill fails."""
+    from kvstage.router.app import serve
+    from kvstage.router.config import RouterConfig
     from kvstage.router.instances import Instance, Role, parse_instance
 
     secret = _start_service("router", _zmq_address(host, port), secret_file, insecure)
@@ -297,6 +331,14 @@ def router(
         connect_timeout_s=connect_timeout,
         read_timeout_s=read_timeout,
         prefill_timeout_s=prefill_timeout,
+        max_attempts=max_attempts,
+        probe_interval_s=probe_interval,
+        health_timeout_s=health_timeout,
+        breaker_failures=breaker_failures,
+        breaker_cooldown_s=breaker_cooldown,
+        bootstrap_timeout_s=bootstrap_timeout,
         secret=secret,
+        api_key=api_key or None,
+        upstream_api_key=upstream_api_key or None,
     )
     serve(config, host, port)

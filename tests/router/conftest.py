@@ -1,22 +1,27 @@
 """Real HTTP on loopback for the router's tests: small OpenAI-style upstreams that record what they receive.
 
 `FakeVLLM` is a Starlette app served by uvicorn on 127.0.0.1 (a port of its own) in a thread. It records every
-request body, whether its client went away before the answer ended, and answers like vLLM's OpenAI server
-(JSON, or SSE chunks when `stream` is true). Its `mode` picks the behaviour: "ok", "error500", "hang" (never
-answers; waits for the client to go), "hang_stream" (one SSE chunk, then waits for the client to go) and
-"break_stream" (one SSE chunk, then the connection is cut).
+request (body and headers), whether its client went away before the answer ended, and answers like vLLM's OpenAI
+server (JSON, or SSE chunks when `stream` is true). Its `mode` picks the behaviour: "ok", "error500", "refuse"
+(400), "hang" (never answers; waits for the client to go), "break" (the status line, then the connection is cut),
+"hang_stream" (one SSE chunk, then waits for the client to go) and "break_stream" (one SSE chunk, then the
+connection is cut); `delay_s` is waited first. Its `/health` answers 200 while `healthy`, else 503.
 With `wait_for_peer`, it answers only once the other side has received the same room (so a router that sends
-its two requests one after the other fails). A real `BootstrapServer` holds the instances' records.
+its two requests one after the other fails). With `needs_kv` (decode's default), a request with a room waits, as vLLM's
+connector does, until prefill has answered that room successfully (or the client goes away); one without a room
+is computed at once. A real `BootstrapServer` holds the instances' records.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import socket
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,10 +33,14 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from kvstage.layout import KVLayout
-from kvstage.router.app import Router, RouterConfig, create_app
+from kvstage.router.app import create_app
+from kvstage.router.config import RouterConfig
 from kvstage.router.instances import Instance, Role
+from kvstage.router.proxy import Router
 from kvstage.transport.bootstrap import BootstrapClient, BootstrapServer, LayoutRecord, PeerRecord
 
+BODY = {"model": "m", "prompt": "hello there", "max_tokens": 16, "temperature": 0.0}
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 16}
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=4, head_dim=8, dtype="float32", page_size=16)
 PREFILL_TP = 2
 DECODE_TP = 1
@@ -59,8 +68,12 @@ class ServedApp:
         self._thread.start()
         wait_until(lambda: self._server.started, f"uvicorn at {self.url} to start")
 
-    def close(self) -> None:
+    def stop(self) -> None:
+        """Ask the server to stop; `close` waits for it."""
         self._server.should_exit = True
+
+    def close(self) -> None:
+        self.stop()
         self._thread.join(10)
         self._sock.close()
 
@@ -69,6 +82,7 @@ class ServedApp:
 class Received:
     path: str
     body: dict[str, Any]
+    headers: dict[str, str]
     at: float
 
     @property
@@ -81,11 +95,20 @@ class Rooms:
     """Which roles have received which room (shared by the two sides of one test)."""
 
     seen: dict[int, set[str]] = field(default_factory=dict)
+    delivered: set[int] = field(default_factory=set)  # rooms prefill answered successfully
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def arrive(self, room: int, role: str) -> None:
         with self.lock:
             self.seen.setdefault(room, set()).add(role)
+
+    def deliver(self, room: int) -> None:
+        with self.lock:
+            self.delivered.add(room)
+
+    def has_kv(self, room: int) -> bool:
+        with self.lock:
+            return room in self.delivered
 
     def both(self, room: int) -> bool:
         with self.lock:
@@ -93,12 +116,17 @@ class Rooms:
 
 
 class FakeVLLM:
+    """One fake vLLM OpenAI server; its attributes steer its answers and record what it received."""
+
     def __init__(self, name: str, role: Role, rooms: Rooms) -> None:
         self.name = name
         self.role = role
         self.rooms = rooms
         self.mode = "ok"
+        self.healthy = True
+        self.delay_s = 0.0
         self.wait_for_peer = False
+        self.needs_kv = role == "decode"
         self.chunks = 3
         self.chunk_delay_s = 0.0
         self.received: list[Received] = []
@@ -113,15 +141,15 @@ class FakeVLLM:
                 Route("/health", self._health, methods=["GET"]),
             ]
         )
-        self._served = ServedApp(app)
-        self.url = self._served.url
+        self.served = ServedApp(app)
+        self.url = self.served.url
         self.instance = Instance(name, role, self.url)
 
     def close(self) -> None:
-        self._served.close()
+        self.served.close()
 
     async def _health(self, request: Request) -> Response:
-        return Response(status_code=200)
+        return Response(status_code=200 if self.healthy else 503)
 
     async def _models(self, request: Request) -> Response:
         model = {"id": f"model-of-{self.name}", "object": "model", "created": 1, "owned_by": "fake"}
@@ -139,11 +167,12 @@ class FakeVLLM:
 
     async def _answer(self, request: Request) -> Response:
         body = await request.json()
-        got = Received(request.url.path, body, time.monotonic())
+        got = Received(request.url.path, body, dict(request.headers), time.monotonic())
         self.received.append(got)
         room = int(body.get("kv_transfer_params", {}).get("kvstage_room", 0))
         self.rooms.arrive(room, self.role)
-        if self.mode == "hang":
+        await asyncio.sleep(self.delay_s)
+        if self.mode == "hang" or (self.needs_kv and room and not await self._kv_arrives(request, room)):
             while not await request.is_disconnected():
                 await asyncio.sleep(0.01)
             self.gone.append(room)
@@ -157,11 +186,26 @@ class FakeVLLM:
         if self.mode == "error500":
             error = {"message": f"boom from {self.name}", "type": "InternalServerError", "code": 500}
             return JSONResponse({"error": error}, status_code=500)
+        if self.mode == "refuse":
+            error = {"message": f"{self.name} refuses this request", "type": "BadRequestError", "code": 400}
+            return JSONResponse({"error": error}, status_code=400)
+        if self.mode == "break":
+            return StreamingResponse(_broken(), media_type="application/json")
+        if room and self.role == "prefill":
+            self.rooms.deliver(room)
         chat = request.url.path.endswith("/chat/completions")
         if body.get("stream"):
             return StreamingResponse(self._stream(room, chat), media_type="text/event-stream")
         text = f"{self.name} answers room {room}"
         return JSONResponse(_completion(text, chat, body.get("model", "m")))
+
+    async def _kv_arrives(self, request: Request, room: int) -> bool:
+        """Whether prefill delivers the room's KV before the client goes away (the connector's wait)."""
+        while not self.rooms.has_kv(room):
+            if await request.is_disconnected():
+                return False
+            await asyncio.sleep(0.01)
+        return True
 
     async def _stream(self, room: int, chat: bool) -> AsyncIterator[bytes]:
         done = False
@@ -179,6 +223,11 @@ class FakeVLLM:
         finally:
             if not done:
                 self.gone.append(room)
+
+
+async def _broken() -> AsyncIterator[bytes]:
+    yield b'{"id": '
+    raise ConnectionAbortedError("the fake breaks off its answer")  # uvicorn cuts the connection
 
 
 def _completion(text: str, chat: bool, model: str) -> dict[str, Any]:
@@ -244,18 +293,28 @@ def register_instances(address: str, secret: bytes | None = None) -> None:
 
 
 @pytest.fixture
-def upstreams() -> Iterator[Callable[[str, Role], FakeVLLM]]:
-    """Makes fake vLLM servers that share one room book; all are stopped at the end."""
+def serving() -> Iterator[list[ServedApp]]:
+    """The servers a test started (fakes and routers): all stopped at once at its end, which saves their shutdown
+    times."""
+    served: list[ServedApp] = []
+    yield served
+    for s in served:
+        s.stop()
+    for s in served:
+        s.close()
+
+
+@pytest.fixture
+def upstreams(serving: list[ServedApp]) -> Callable[[str, Role], FakeVLLM]:
+    """Makes fake vLLM servers that share one room book."""
     rooms = Rooms()
-    made: list[FakeVLLM] = []
 
     def make(name: str, role: Role) -> FakeVLLM:
-        made.append(FakeVLLM(name, role, rooms))
-        return made[-1]
+        fake = FakeVLLM(name, role, rooms)
+        serving.append(fake.served)
+        return fake
 
-    yield make
-    for fake in made:
-        fake.close()
+    return make
 
 
 @dataclass
@@ -268,21 +327,18 @@ class RunningRouter:
 
 
 @pytest.fixture
-def start_router(bootstrap: BootstrapServer) -> Iterator[Callable[..., RunningRouter]]:
+def start_router(bootstrap: BootstrapServer, serving: list[ServedApp]) -> Callable[..., RunningRouter]:
     """Starts a router (real uvicorn on loopback) in front of the given instances (and `bootstrap`, unless the
     options name another)."""
-    served: list[ServedApp] = []
 
     def start(prefill: list[Instance], decode: list[Instance], **options: Any) -> RunningRouter:
         address = options.pop("bootstrap", bootstrap.address)
         config = RouterConfig(address, tuple(prefill), tuple(decode), **options)
         app = create_app(config)
-        served.append(ServedApp(app))
-        return RunningRouter(served[-1].url, app.state.router)
+        serving.append(ServedApp(app))
+        return RunningRouter(serving[-1].url, app.state.router)
 
-    yield start
-    for s in served:
-        s.close()
+    return start
 
 
 def closed_port_url() -> str:
@@ -291,3 +347,27 @@ def closed_port_url() -> str:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     return f"http://127.0.0.1:{port}"
+
+
+class _Records(logging.Handler):
+    def __init__(self, level: int) -> None:
+        super().__init__(level)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+@contextmanager
+def logged_errors() -> Iterator[list[logging.LogRecord]]:
+    """The ERROR records of uvicorn's servers and of the router while the block runs. Start the servers first:
+    a uvicorn server that starts configures uvicorn's loggers anew, which drops this handler."""
+    handler = _Records(logging.ERROR)
+    loggers = [logging.getLogger("uvicorn.error"), logging.getLogger("kvstage.router")]
+    for logger in loggers:
+        logger.addHandler(handler)
+    try:
+        yield handler.records
+    finally:
+        for logger in loggers:
+            logger.removeHandler(handler)

@@ -23,7 +23,8 @@ KVSTAGE = [sys.executable, "-c", "from kvstage.cli import main; main()"]
 
 
 def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != "KVSTAGE_SECRET"}
+    unset = ("KVSTAGE_SECRET", "KVSTAGE_API_KEY", "KVSTAGE_UPSTREAM_API_KEY")
+    env = {k: v for k, v in os.environ.items() if k not in unset}
     env.update(extra)
     return env
 
@@ -128,18 +129,38 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def test_router_help_lists_the_resilience_and_key_flags() -> None:
+    done = _run("router", "--help", COLUMNS="200")
+    assert done.returncode == 0
+    for flag in (
+        "--max-attempts",
+        "--probe-interval",
+        "--health-timeout",
+        "--breaker-failures",
+        "--breaker-cooldown",
+        "--bootstrap-timeout",
+        "--api-key",
+        "--upstream-api-key",
+        "KVSTAGE_API_KEY",
+        "KVSTAGE_UPSTREAM_API_KEY",
+    ):
+        assert flag in done.stdout
+
+
 def test_router_command_serves_health_and_stops_on_sigterm(
     services: list[_Service], bootstrap: BootstrapServer
 ) -> None:
     port = _free_port()
     args = ["router", "--bootstrap", bootstrap.address, "--port", str(port)]
-    service = _Service(*args, "--prefill", "P0=http://127.0.0.1:1", "--decode", "D0=http://127.0.0.1:2")
+    upstreams = ["--prefill", "P0=http://127.0.0.1:1", "--decode", "D0=http://127.0.0.1:2"]
+    service = _Service(*args, *upstreams, KVSTAGE_API_KEY="the-client-key")
     services.append(service)
     service.wait_for_line(rf"Uvicorn running on http://127\.0\.0\.1:{port}")
     reply = httpx.get(f"http://127.0.0.1:{port}/health", timeout=10)
     assert reply.status_code == 503  # registered, but nobody listens at either URL
     states = {i["name"]: i for i in reply.json()["instances"]}
     assert states["P0"]["tp_size"] == 2 and states["D0"]["reason"].startswith("connect")
+    assert httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=10).status_code == 401  # the key from the env
     service.proc.send_signal(signal.SIGTERM)
     service.wait_for_line("router stopped")
     assert service.proc.wait(timeout=30) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal it stopped on

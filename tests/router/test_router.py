@@ -5,18 +5,15 @@ from __future__ import annotations
 import json
 import socket
 import threading
-import time
+from unittest.mock import ANY
 
 import httpx
 import openai
 import pytest
 
-from conftest import DECODE_TP, PREFILL_TP, closed_port_url, peer_record, register_instances, wait_until
+from conftest import BODY, CHAT, DECODE_TP, PREFILL_TP, closed_port_url, peer_record, register_instances, wait_until
 from kvstage.router.instances import Instance
 from kvstage.transport.bootstrap import BootstrapClient, BootstrapServer
-
-BODY = {"model": "m", "prompt": "hello there", "max_tokens": 16, "temperature": 0.0}
-CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 16}
 
 
 def arrived(fake, count: int) -> list:
@@ -88,6 +85,7 @@ def test_stream_is_relayed_chunk_by_chunk_as_decode_sends_it(pair, start_router)
 def test_client_disconnect_mid_stream_cancels_both_upstreams(pair, start_router) -> None:
     prefill, decode = pair
     prefill.mode, decode.mode = "hang", "hang_stream"
+    decode.needs_kv = False  # decode streams while prefill still hangs
     router = start_router([prefill.instance], [decode.instance])
     with httpx.stream("POST", router.url + "/v1/completions", json={**BODY, "stream": True}, timeout=10) as reply:
         next(reply.iter_bytes())  # the first chunk arrived; then the client goes away
@@ -98,17 +96,6 @@ def test_client_disconnect_mid_stream_cancels_both_upstreams(pair, start_router)
     assert (
         router.metric("kvstage_router_requests_total", endpoint="/v1/completions", outcome="client_disconnected") == 1
     )
-
-
-def test_client_disconnect_before_decode_answers_cancels_both_upstreams(pair, start_router) -> None:
-    prefill, decode = pair
-    prefill.mode = decode.mode = "hang"
-    router = start_router([prefill.instance], [decode.instance])
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(router.url + "/v1/completions", json=BODY, timeout=0.5)
-    room = decode.received[0].room
-    wait_until(lambda: decode.gone == [room] and prefill.gone == [room], "both upstreams to see the client go")
-    wait_until(lambda: router.metric("kvstage_router_in_flight_requests") == 0, "the slot to be given back")
 
 
 def test_decode_breaking_off_a_stream_ends_it_with_an_error_event(pair, start_router) -> None:
@@ -132,15 +119,16 @@ def test_dead_decode_is_a_503_naming_the_instance_and_the_reason(upstreams, star
     assert reply.status_code == 503
     error = reply.json()["error"]
     assert error["instance"] == "D0" and error["reason"] == "connect" and "'D0'" in error["message"]
-    wait_until(lambda: prefill.open == 0, "no prefill request left open")  # if it arrived at all, it was cancelled
-    assert router.metric("kvstage_router_upstream_errors_total", role="decode", instance="D0", reason="connect") == 1
+    assert not prefill.received  # the probe found D0 down before the request came: nothing was sent
+    assert router.metric("kvstage_router_probes_total", role="decode", instance="D0", result="down") >= 1
     assert router.metric("kvstage_router_requests_total", endpoint="/v1/completions", outcome="decode_unavailable") == 1
 
 
 def test_decode_500_is_a_502_carrying_the_upstream_message(pair, start_router) -> None:
     prefill, decode = pair
     prefill.mode, decode.mode = "hang", "error500"
-    decode.wait_for_peer = True  # fails only once prefill holds the room: then prefill's request must be cancelled
+    # fails only once prefill holds the room: then prefill's request must be cancelled
+    decode.needs_kv, decode.wait_for_peer = False, True
     router = start_router([prefill.instance], [decode.instance])
     reply = httpx.post(router.url + "/v1/chat/completions", json=CHAT, timeout=10)
     assert reply.status_code == 502
@@ -166,7 +154,7 @@ def test_prefill_failure_is_counted_and_the_client_still_gets_decodes_answer(pai
     reply = httpx.post(router.url + "/v1/completions", json=BODY, timeout=10)
     assert reply.status_code == 200 and reply.json()["choices"][0]["text"].startswith("D0 answers")
     labels = {"role": "prefill", "instance": "P0", "reason": "http_5xx"}
-    wait_until(lambda: router.metric("kvstage_router_upstream_errors_total", **labels) == 1, "the prefill error")
+    assert router.metric("kvstage_router_upstream_errors_total", **labels) == 1
 
 
 def test_dead_prefill_does_not_fail_the_client(upstreams, start_router) -> None:
@@ -174,8 +162,8 @@ def test_dead_prefill_does_not_fail_the_client(upstreams, start_router) -> None:
     router = start_router([Instance("P0", "prefill", closed_port_url())], [decode.instance])
     reply = httpx.post(router.url + "/v1/completions", json=BODY, timeout=10)
     assert reply.status_code == 200
-    labels = {"role": "prefill", "instance": "P0", "reason": "connect"}
-    wait_until(lambda: router.metric("kvstage_router_upstream_errors_total", **labels) == 1, "the prefill error")
+    assert "kv_transfer_params" not in decode.received[0].body  # decode computed it alone
+    assert router.metric("kvstage_router_fallbacks_total", reason="no_prefill") == 1
 
 
 def test_requests_beyond_the_concurrency_cap_get_429(pair, start_router) -> None:
@@ -187,7 +175,8 @@ def test_requests_beyond_the_concurrency_cap_get_429(pair, start_router) -> None
         t.start()
     wait_until(lambda: len(decode.received) == 2, "two requests at decode")
     reply = httpx.post(router.url + "/v1/completions", json=BODY, timeout=5)
-    assert reply.status_code == 429 and reply.json()["error"]["type"] == "busy"
+    assert reply.status_code == 429 and reply.json()["error"] == {"message": ANY, "type": "busy", "code": 429}
+    assert reply.headers["x-request-id"]
     for t in held:
         t.join()
     wait_until(lambda: router.metric("kvstage_router_in_flight_requests") == 0, "both slots to be given back")
@@ -273,18 +262,20 @@ def test_model_list_from_a_dead_decode_is_a_503(upstreams, start_router) -> None
     assert reply.status_code == 503 and reply.json()["error"]["instance"] == "D0"
 
 
-def test_a_tp_size_is_looked_up_again_and_kept_while_the_bootstrap_is_down(pair, start_router, bootstrap) -> None:
+def test_a_tp_size_is_looked_up_again_and_kept_while_the_bootstrap_is_down(
+    pair, start_router, bootstrap, caplog
+) -> None:
     prefill, decode = pair
-    router = start_router([prefill.instance], [decode.instance], tp_refresh_s=0.2)
+    router = start_router([prefill.instance], [decode.instance], tp_refresh_s=0.1, bootstrap_timeout_s=0.2)
     assert httpx.post(router.url + "/v1/completions", json=BODY, timeout=5).status_code == 200
     client = BootstrapClient(bootstrap.address)
     for rank in range(2):  # D0 comes back with TP 2
         client.register(peer_record("D0", "decode", 2, rank, session=2))
     client.close()
-    time.sleep(0.3)
+    wait_until(lambda: router.router.tp.known(decode.instance) == 2, "the new TP size to be found")
     assert httpx.post(router.url + "/v1/completions", json=BODY, timeout=5).status_code == 200
     bootstrap.close()
-    time.sleep(0.3)
+    wait_until(lambda: "keeping TP size 2" in caplog.text, "a refresh to fail")
     assert httpx.post(router.url + "/v1/completions", json=BODY, timeout=10).status_code == 200
     assert [r.body["kv_transfer_params"]["kvstage_peer_tp"] for r in arrived(prefill, 3)] == [1, 2, 2]
 

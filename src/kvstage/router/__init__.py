@@ -1,6 +1,9 @@
 """`kvstage router`: an OpenAI-compatible prefill/decode proxy in front of vLLM servers running KVStageConnector.
 
-Application layer. `app` serves the HTTP endpoints and runs each request's two upstream requests; `upstream`
-rewrites the bodies per the router contract and names failures; `instances` picks instances and looks up their
-TP sizes from the bootstrap; `metrics` holds the Prometheus metrics. Called by `kvstage router` (cli.py).
+Application layer. `app` serves the HTTP endpoints (request ids, the client key, the OpenAI error shape); `proxy`
+runs each client request through a prefill and a decode instance, with retries on another decode instance and
+fallbacks to decode alone; `health` keeps each instance's circuit breaker and `/health` probe and picks instances;
+`instances` names the instances and looks up their TP sizes from the bootstrap in the background; `upstream`
+rewrites the bodies per the router contract and names failures; `config` holds the settings; `metrics` the
+Prometheus metrics. Called by `kvstage router` (cli.py).
 """

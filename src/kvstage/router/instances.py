@@ -1,28 +1,35 @@
-"""The router's upstream instances: who they are, which one serves the next request, and their TP sizes.
+"""The router's upstream instances: who they are, and their TP sizes.
 
 Owns:
 - `Instance`: one vLLM server (name as registered with the bootstrap, role, base URL);
 - `parse_instance`: the command line's `NAME=URL`;
-- `RoundRobin`: the next instance of one role, in turn;
-- `TPDirectory`: each instance's TP size, looked up from the bootstrap (`BootstrapClient.lookup_instance`) on one
-  worker thread (the client is for one thread), cached and looked up again every `refresh_s`. A failed first
-  lookup is remembered for `retry_s`, so that a bootstrap that is down costs one timeout per `retry_s`, not one
-  per request; a failed refresh keeps the size last found.
+- `TPDirectory`: each configured instance's TP size, looked up from the bootstrap off the request path.
 
-Invariants: the cache holds at most one entry per configured instance. Called by `router.app`.
+How `TPDirectory` looks up: `run` (a background task for the router's life) looks every instance up at once when
+it starts, then each known one again every `refresh_s` (an instance restarted under its name may have another TP
+size; while the bootstrap cannot answer, the size last found is kept) and each one never found every `retry_s`.
+The request path (`tp_size`) answers from what is known; for an instance never found, it fails at once while the
+last lookup failed less than `retry_s` ago, else it joins the lookup under way or starts one: one lookup per
+instance at a time (single flight), however many requests wait for it. Each lookup runs in a worker thread with a
+`BootstrapClient` of its own (the client blocks, and is for one thread), bounded by `timeout_s`: the event loop
+never waits on the bootstrap, and one instance's lookup never waits for another's.
+
+Invariants: at most one lookup per instance is under way; sizes and failures are kept for configured instances
+only. Called by `router.proxy` and `router.health`.
 """
 
 from __future__ import annotations
 
-import asyncio
-import itertools
 import logging
 import time
-from collections.abc import Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 from typing import Literal
 from urllib.parse import urlsplit
+
+import anyio
+import anyio.to_thread
+from anyio.abc import TaskGroup, TaskStatus
 
 from kvstage.errors import KVStageError
 from kvstage.transport.bootstrap import BootstrapClient
@@ -51,19 +58,6 @@ def parse_instance(spec: str, role: Role) -> Instance:
     return Instance(name, role, url.rstrip("/"))
 
 
-class RoundRobin:
-    """The instances of one role, handed out in turn."""
-
-    def __init__(self, instances: Iterable[Instance]) -> None:
-        self.instances = tuple(instances)
-        if not self.instances:
-            raise ValueError("at least one instance is needed")
-        self._next: Iterator[Instance] = itertools.cycle(self.instances)
-
-    def pick(self) -> Instance:
-        return next(self._next)
-
-
 class InstanceUnavailable(KVStageError):
     """An instance's TP size could not be looked up: `reason` is "unregistered" (the bootstrap has no record of it)
     or "bootstrap" (the bootstrap did not answer, or refused the lookup)."""
@@ -72,13 +66,26 @@ class InstanceUnavailable(KVStageError):
         super().__init__(message)
         self.reason = reason
 
+    def again(self) -> InstanceUnavailable:
+        """A fresh copy to raise (one lookup's failure is raised in every request that waited for it)."""
+        return InstanceUnavailable(str(self), self.reason)
+
+
+@dataclass
+class _Lookup:
+    """One lookup under way, shared by everyone who waits for it."""
+
+    done: anyio.Event = field(default_factory=anyio.Event)
+    result: int | InstanceUnavailable | None = None  # None: cancelled (the router is stopping)
+
 
 class TPDirectory:
-    """TP size of each instance, from the bootstrap, cached; lookups run on one worker thread."""
+    """TP size of each instance, from the bootstrap; `run` must be running for lookups to happen."""
 
     def __init__(
         self,
         bootstrap: str,
+        instances: Iterable[Instance],
         *,
         timeout_s: float = 2.0,
         retry_s: float = 1.0,
@@ -86,50 +93,111 @@ class TPDirectory:
         secret: bytes | None = None,
     ) -> None:
         self.bootstrap = bootstrap
-        self._client = BootstrapClient(bootstrap, timeout_s=timeout_s, secret=secret)
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvstage-router-bootstrap")
+        self.instances = tuple(dict.fromkeys(instances))
+        self._timeout_s = timeout_s
         self._retry_s = retry_s
         self._refresh_s = refresh_s
-        self._tp: dict[Instance, tuple[int, float]] = {}  # TP size, when it is to be looked up again
-        self._failed: dict[Instance, tuple[float, InstanceUnavailable]] = {}  # when to try again, why it failed
+        self._secret = secret
+        self._known: dict[Instance, int] = {}
+        self._failed: dict[Instance, tuple[float, InstanceUnavailable]] = {}  # last failure: when, why
+        self._pending: dict[Instance, _Lookup] = {}
+        self._tasks: TaskGroup | None = None
+
+    def known(self, instance: Instance) -> int | None:
+        """The TP size last found, or None."""
+        return self._known.get(instance)
+
+    def failure(self, instance: Instance) -> InstanceUnavailable | None:
+        """Why an instance never found cannot be used now (its last lookup failed less than `retry_s` ago)."""
+        if instance in self._known or instance not in self._failed:
+            return None
+        when, why = self._failed[instance]
+        return why if time.monotonic() - when < self._retry_s else None
+
+    def last_failure(self, instance: Instance) -> InstanceUnavailable | None:
+        """Why an instance never found was not found, however long ago its last lookup was."""
+        if instance in self._known or instance not in self._failed:
+            return None
+        return self._failed[instance][1]
 
     async def tp_size(self, instance: Instance) -> int:
-        """The instance's TP size; `InstanceUnavailable` with the reason when it was never found.
+        """The instance's TP size; `InstanceUnavailable` with the reason when it was never found."""
+        known = self._known.get(instance)
+        if known is not None:
+            return known
+        failure = self.failure(instance)
+        if failure is not None:
+            raise failure.again()
+        lookup = self._start(instance)
+        await lookup.done.wait()
+        if isinstance(lookup.result, InstanceUnavailable):
+            raise lookup.result.again()
+        if lookup.result is None:
+            raise InstanceUnavailable("the lookup was cancelled: the router is stopping", "bootstrap")
+        return lookup.result
 
-        A known size is looked up again every `refresh_s` (an instance restarted under its name may have another
-        TP size); while the bootstrap cannot answer, the size last found is kept.
-        """
-        now = time.monotonic()
-        known = self._tp.get(instance)
-        if known is not None and now < known[1]:
-            return known[0]
-        failed = self._failed.get(instance)
-        if known is None and failed is not None and now < failed[0]:
-            raise failed[1]
-        loop = asyncio.get_running_loop()
-        try:
-            tp = await loop.run_in_executor(self._executor, self._lookup, instance)
-        except InstanceUnavailable as exc:
-            if known is None:
-                self._failed[instance] = (time.monotonic() + self._retry_s, exc)
-                raise
-            log.warning("%s: keeping TP size %d: %s", instance.describe(), known[0], exc)
-            tp = known[0]
-        if known is not None and tp != known[0]:
-            log.info("%s: TP size %d, was %d", instance.describe(), tp, known[0])
-        self._tp[instance] = (tp, time.monotonic() + self._refresh_s)
-        self._failed.pop(instance, None)
-        return tp
+    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Look every instance up, report started, then keep each one fresh until cancelled."""
+        async with anyio.create_task_group() as tasks:
+            self._tasks = tasks
+            first = [self._start(i) for i in self.instances]
+            for instance in self.instances:
+                tasks.start_soon(self._keep, instance)
+            for lookup in first:
+                await lookup.done.wait()
+            task_status.started()
 
-    def _lookup(self, instance: Instance) -> int:
+    async def _keep(self, instance: Instance) -> None:
+        while True:
+            await self._start(instance).done.wait()
+            await anyio.sleep(self._refresh_s if instance in self._known else self._retry_s)
+
+    def _start(self, instance: Instance) -> _Lookup:
+        """The lookup of `instance` under way, started now if there is none."""
+        if self._tasks is None:
+            raise RuntimeError("TPDirectory.run is not running")
+        lookup = self._pending.get(instance)
+        if lookup is None:
+            lookup = self._pending[instance] = _Lookup()
+            self._tasks.start_soon(self._look_up, instance, lookup)
+        return lookup
+
+    async def _look_up(self, instance: Instance, lookup: _Lookup) -> None:
+        result: int | InstanceUnavailable
         try:
-            records = self._client.lookup_instance(instance.name, instance.role)
+            try:
+                result = await anyio.to_thread.run_sync(self._lookup_blocking, instance, abandon_on_cancel=True)
+            except InstanceUnavailable as exc:
+                result = exc
+            self._record(instance, result)
+            lookup.result = result
+        finally:  # cancelled too: whoever waits wakes up
+            del self._pending[instance]
+            lookup.done.set()
+
+    def _record(self, instance: Instance, result: int | InstanceUnavailable) -> None:
+        known = self._known.get(instance)
+        if isinstance(result, int):
+            if known is not None and result != known:
+                log.info("%s: TP size %d, was %d", instance.describe(), result, known)
+            if instance in self._failed:
+                log.info("%s: TP size %d found", instance.describe(), result)
+            self._known[instance] = result
+            self._failed.pop(instance, None)
+            return
+        if instance not in self._failed:  # logged when the trouble starts, not on every retry
+            kept = "" if known is None else f" (keeping TP size {known})"
+            log.warning("%s: %s%s", instance.describe(), result, kept)
+        self._failed[instance] = (time.monotonic(), result)
+
+    def _lookup_blocking(self, instance: Instance) -> int:
+        client = BootstrapClient(self.bootstrap, timeout_s=self._timeout_s, secret=self._secret)
+        try:
+            records = client.lookup_instance(instance.name, instance.role)
         except KVStageError as exc:
             raise InstanceUnavailable(f"bootstrap lookup failed: {exc}", "bootstrap") from exc
+        finally:
+            client.close()
         if not records:
             raise InstanceUnavailable(f"not registered with the bootstrap {self.bootstrap}", "unregistered")
         return records[0].tp_size
-
-    def close(self) -> None:
-        self._executor.submit(self._client.close).result()
-        self._executor.shutdown(wait=True)

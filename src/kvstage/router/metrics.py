@@ -4,13 +4,20 @@ Metrics (all prefixed `kvstage_router_`):
 - `requests_total{endpoint, outcome}`: client requests by how they ended (`OUTCOMES`);
 - `in_flight_requests`: requests holding a concurrency slot (a slot is held until both upstream requests end);
 - `upstream_errors_total{role, instance, reason}`: failed upstream requests (reasons: see `router.upstream`);
+- `retries_total{reason}`: requests sent again to another decode instance (a new room) after decode failed
+  before its first byte, by the reason of that failure;
+- `fallbacks_total{reason}`: requests served by decode alone (`FALLBACKS`);
+- `breaker_state{role, instance}`: each instance's circuit breaker, 0 closed, 1 half-open, 2 open;
+- `instance_up{role, instance}`: 1 while the instance's last `/health` probe succeeded, else 0;
+- `probes_total{role, instance, result}`: `/health` probes, result `up` or `down`;
+- `unauthorized_total`: requests refused for a missing or wrong API key (401);
 - `request_seconds{endpoint}`: arrival to the last byte sent (histogram);
 - `first_byte_seconds{endpoint}`: arrival to the first body byte sent to the client, i.e. time to first token
   for a streamed request (histogram);
 - `prefill_seconds`: duration of the prefill requests that succeeded (histogram).
 
 Invariants: nothing is registered on prometheus-client's global registry, so several routers (and tests) can live
-in one process. Called by `router.app`.
+in one process. Called by `router.proxy`, `router.health` and `router.app`.
 """
 
 from __future__ import annotations
@@ -30,6 +37,12 @@ OUTCOMES: Final = (
     "client_disconnected",
 )
 
+FALLBACKS: Final = (
+    "prefill_failed",  # prefill failed before decode's first byte: decode was asked again, without a room
+    "no_prefill",  # no prefill instance could take the request (down, breaker open, TP size unknown)
+    "beam_search",  # vLLM's beam search makes up its own engine requests: decode serves it alone
+)
+
 _SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
 
@@ -46,6 +59,27 @@ class RouterMetrics:
             "Failed upstream requests by instance and reason",
             ("role", "instance", "reason"),
             registry=reg,
+        )
+        self.retries = Counter(
+            "kvstage_router_retries", "Requests sent again to another decode instance", ("reason",), registry=reg
+        )
+        self.fallbacks = Counter(
+            "kvstage_router_fallbacks", "Requests served by decode alone", ("reason",), registry=reg
+        )
+        self.breaker_state = Gauge(
+            "kvstage_router_breaker_state",
+            "Circuit breaker per instance: 0 closed, 1 half-open, 2 open",
+            ("role", "instance"),
+            registry=reg,
+        )
+        self.instance_up = Gauge(
+            "kvstage_router_instance_up", "1 while the last /health probe succeeded", ("role", "instance"), registry=reg
+        )
+        self.probes = Counter(
+            "kvstage_router_probes", "/health probes by result", ("role", "instance", "result"), registry=reg
+        )
+        self.unauthorized = Counter(
+            "kvstage_router_unauthorized", "Requests refused for a missing or wrong API key", registry=reg
         )
         self.request_seconds = Histogram(
             "kvstage_router_request_seconds",
@@ -75,6 +109,15 @@ class RouterMetrics:
 
     def upstream_error(self, role: str, instance: str, reason: str) -> None:
         self.upstream_errors.labels(role, instance, reason).inc()
+
+    def fallback(self, reason: str) -> None:
+        if reason not in FALLBACKS:
+            raise ValueError(f"unknown fallback {reason!r}")
+        self.fallbacks.labels(reason).inc()
+
+    def probed(self, role: str, instance: str, up: bool) -> None:
+        self.probes.labels(role, instance, "up" if up else "down").inc()
+        self.instance_up.labels(role, instance).set(1 if up else 0)
 
     def value(self, name: str, **labels: str) -> float:
         got = self.registry.get_sample_value(name, labels)

@@ -1,0 +1,34 @@
+"""`RouterConfig`: everything one router is told at its start (the `kvstage router` flags, docs/vllm.md "Router").
+
+Invariants: frozen; the keys and the secret are left out of its repr, so logging a config never shows them.
+Called by `kvstage router` (cli.py), `router.app`, `router.proxy` and tests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvstage.router.instances import Instance
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    bootstrap: str
+    prefill: tuple[Instance, ...]
+    decode: tuple[Instance, ...]
+    max_concurrent: int = 256
+    max_body_bytes: int = 8 * 2**20
+    connect_timeout_s: float = 5.0
+    read_timeout_s: float = 600.0  # longest silence from decode while it answers
+    prefill_timeout_s: float = 300.0  # whole prefill request
+    health_timeout_s: float = 2.0  # one /health probe, and a /v1/models request
+    probe_interval_s: float = 2.0  # how often every instance's /health is probed
+    max_attempts: int = 3  # decode instances one request may be tried on, each with a new room
+    breaker_failures: int = 3  # failures in a row that open an instance's circuit breaker
+    breaker_cooldown_s: float = 10.0  # how long an open breaker keeps its instance out, before one trial request
+    bootstrap_timeout_s: float = 2.0
+    tp_refresh_s: float = 30.0  # how often a known instance's TP size is looked up again
+    tp_retry_s: float = 1.0  # how often the TP size of an instance never found is looked up again
+    secret: bytes | None = field(default=None, repr=False)  # the deployment's shared secret, for the bootstrap
+    api_key: str | None = field(default=None, repr=False)  # what clients must send as `Authorization: Bearer`
+    upstream_api_key: str | None = field(default=None, repr=False)  # what the router sends to vLLM (its --api-key)
