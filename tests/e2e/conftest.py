@@ -2,15 +2,19 @@
 the end-to-end tests of this folder: a bootstrap service, prefill instances P2 (TP=2) and P1 (TP=1), decode
 instances D1 (TP=1) and D2 (TP=2), and one kvstage router per (prefill, decode) pair under test.
 
-Servers start once per session, together (about 2-4 min on 2 cores); the tests that kill an instance run last
-(their module sorts them so) and take only the instances they kill.
+Servers start once per session, together (about 2-4 min on 2 cores); a test may add a server of its own
+(`Cluster.start`), which then lives until the session ends or a test kills it. The tests that kill an instance
+(or may leave one dead) are named `test_z...`: they run after every other test of this folder, in the order of
+their names, whatever module they are in (`pytest_collection_modifyitems` below), and take only the instances they
+kill.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -22,6 +26,21 @@ from kvstage.e2e.servers import ManagedProcess, VLLMServerSpec, free_port, start
 #: the room deadline: a killed prefill is fenced, and the ring space its rooms held is released, before they time out.
 ROOM_TIMEOUT_S = 30.0
 DEAD_AFTER_S = 10.0
+EXTRA_CONFIG: tuple[tuple[str, object], ...] = (("room_timeout_s", ROOM_TIMEOUT_S), ("dead_after_s", DEAD_AFTER_S))
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """This folder's `test_z...` tests (they kill instances of the shared cluster) run after its other tests, of
+    every module, and in the order of their names. The rest of the session keeps its order."""
+    here = Path(__file__).parent
+    ours = [item for item in items if here in item.path.parents]
+    last = sorted((item for item in ours if item.name.startswith("test_z")), key=lambda item: item.name)
+    if not last:
+        return
+    others = [item for item in ours if not item.name.startswith("test_z")]
+    rest = [item for item in items if item not in last]
+    at = rest.index(others[-1]) + 1 if others else min(items.index(item) for item in last)
+    items[:] = [*rest[:at], *last, *rest[at:]]
 
 
 @dataclass
@@ -32,23 +51,51 @@ class Cluster:
     procs: dict[str, ManagedProcess]
     reports: Path
     logs: Path
-    routers: dict[tuple[str, str], ManagedProcess]
+    routers: dict[tuple[str, ...], ManagedProcess]
 
     def url(self, name: str) -> str:
         return self.specs[name].url
 
-    def router(self, prefill: str, decode: str) -> str:
-        """The URL of a router for this pair, started on first use."""
-        key = (prefill, decode)
+    def router(self, prefill: str, *decodes: str, extra_args: Sequence[str] = ()) -> str:
+        """The URL of a router in front of `prefill` and `decodes` (used in turn), with more router flags
+        `extra_args`, started on first use."""
+        key = (prefill, *decodes, *extra_args)
         if key not in self.routers:
-            log = self.logs / f"router-{prefill}-{decode}.log"
-            proc = start_router(self.bootstrap.url, [self.specs[prefill]], [self.specs[decode]], log)
+            log = self.logs / f"router-{'-'.join((prefill, *decodes))}-{len(self.routers)}.log"
+            proc = start_router(
+                self.bootstrap.url, [self.specs[prefill]], [self.specs[d] for d in decodes], log, extra_args
+            )
             proc.wait_ready(60.0)
             self.routers[key] = proc
         return self.routers[key].url
 
+    def start(self, name: str, role: str, tp: int, **spec: Any) -> None:
+        """Start one more server of the cluster's kind (its bootstrap, reports, room timing) with `spec`'s
+        `VLLMServerSpec` fields, and wait until it serves. It stops with the cluster."""
+        fields: dict[str, Any] = {"report_dir": str(self.reports), "dev_mode": True, "extra_config": EXTRA_CONFIG}
+        fields.update(spec)
+        self.specs[name] = VLLMServerSpec(role, name, tp, free_port(), self.model, self.bootstrap.url, **fields)
+        self.procs[name] = start_vllm(self.specs[name], self.logs)
+        self.procs[name].wait_ready(600.0)
+
+    def kill(self, name: str) -> None:
+        """kill -9 of a server (its workers too), unless it is gone already."""
+        self.procs[name].kill()
+
     def reset_prefix_cache(self, name: str) -> None:
         httpx.post(f"{self.url(name)}/reset_prefix_cache", timeout=30.0).raise_for_status()
+
+    def assert_serving(self, *names: str) -> None:
+        """Each server is alive and its /health answers 200; else fail with the tail of its log."""
+        for name in names:
+            try:
+                status: object = httpx.get(f"{self.url(name)}/health", timeout=10.0).status_code
+            except httpx.HTTPError as exc:
+                status = repr(exc)
+            if status != 200 or not self.procs[name].alive():
+                raise AssertionError(
+                    f"{name} does not serve (/health: {status}); its log ends:\n{self.procs[name].log_tail()}"
+                )
 
 
 @pytest.fixture(scope="session")
@@ -63,7 +110,6 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, spec: TinyModelSpec) -> It
     reports, logs = root / "reports", root / "logs"
     bootstrap = start_bootstrap(logs)
     bootstrap.wait_ready(60.0)
-    extra = (("room_timeout_s", ROOM_TIMEOUT_S), ("dead_after_s", DEAD_AFTER_S))
     layout = {"P2": ("prefill", 2), "P1": ("prefill", 1), "D1": ("decode", 1), "D2": ("decode", 2)}
     specs = {
         name: VLLMServerSpec(
@@ -75,7 +121,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, spec: TinyModelSpec) -> It
             bootstrap.url,
             report_dir=str(reports),
             dev_mode=True,
-            extra_config=extra,
+            extra_config=EXTRA_CONFIG,
         )
         for name, (role, tp) in layout.items()
     }
