@@ -1,9 +1,10 @@
 """A small cluster of real vLLM servers (CPU build, the tiny local model) with the kvstage connector, shared by
 the end-to-end tests of this folder: a bootstrap service, prefill instances P2 (TP=2) and P1 (TP=1), decode
-instances D1 (TP=1) and D2 (TP=2), and one kvstage router per (prefill, decode) pair under test.
+instances D1 (TP=1) and D2 (TP=2), and one kvstage router per set of instances under test.
 
-Servers start once per session, together (about 2-4 min on 2 cores); a test may add a server of its own
-(`Cluster.start`), which then lives until the session ends or a test kills it. The tests that kill an instance
+Servers start once per session, together (about 2-4 min on 2 cores); so does PS, a prefill instance (TP=1) with
+a tiny KV cache, when a collected test asks for it (the `small_prefill` fixture). A test may add a server of its
+own (`Cluster.start`), which lives until the session ends or a test kills it. The tests that kill an instance
 (or may leave one dead) are named `test_z...`: they run after every other test of this folder, in the order of
 their names, whatever module they are in (`pytest_collection_modifyitems` below), and take only the instances they
 kill.
@@ -11,6 +12,7 @@ kill.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,19 +30,40 @@ ROOM_TIMEOUT_S = 30.0
 DEAD_AFTER_S = 10.0
 EXTRA_CONFIG: tuple[tuple[str, object], ...] = (("room_timeout_s", ROOM_TIMEOUT_S), ("dead_after_s", DEAD_AFTER_S))
 
+#: A prefill instance (TP=1) with a tiny KV cache, for the tests that need prefill to preempt: 9 usable blocks of
+#: 128 tokens, 128 tokens per step and at most 32 of them per request, so that concurrent prompts of a few blocks
+#: each are computed side by side and run out of blocks. Only sessions with a test that uses the `small_prefill`
+#: fixture start it, with the other servers.
+SMALL_PREFILL = "PS"
+SMALL_PREFILL_SPEC: dict[str, Any] = {
+    "max_model_len": 1024,
+    "extra_args": (
+        *("--num-gpu-blocks-override", "10"),
+        *("--max-num-batched-tokens", "128"),
+        *("--long-prefill-token-threshold", "32"),
+    ),
+}
+
+#: The cluster's servers are ready within this, or the session fails.
+START_TIMEOUT_S = 600.0
+
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """This folder's `test_z...` tests (they kill instances of the shared cluster) run after its other tests, of
-    every module, and in the order of their names. The rest of the session keeps its order."""
+    every module, and in the order of their names. The rest of the session keeps its order. The first test of this
+    folder starts the cluster: its time limit (pytest-timeout, 300 s a test in pyproject.toml) grows by the
+    cluster's own bound."""
     here = Path(__file__).parent
     ours = [item for item in items if here in item.path.parents]
     last = sorted((item for item in ours if item.name.startswith("test_z")), key=lambda item: item.name)
-    if not last:
-        return
-    others = [item for item in ours if not item.name.startswith("test_z")]
-    rest = [item for item in items if item not in last]
-    at = rest.index(others[-1]) + 1 if others else min(items.index(item) for item in last)
-    items[:] = [*rest[:at], *last, *rest[at:]]
+    if last:
+        others = [item for item in ours if not item.name.startswith("test_z")]
+        rest = [item for item in items if item not in last]
+        at = rest.index(others[-1]) + 1 if others else min(items.index(item) for item in last)
+        items[:] = [*rest[:at], *last, *rest[at:]]
+    first = next((item for item in items if here in item.path.parents), None)
+    if first is not None:
+        first.add_marker(pytest.mark.timeout(300 + START_TIMEOUT_S))
 
 
 @dataclass
@@ -69,12 +92,16 @@ class Cluster:
             self.routers[key] = proc
         return self.routers[key].url
 
-    def start(self, name: str, role: str, tp: int, **spec: Any) -> None:
-        """Start one more server of the cluster's kind (its bootstrap, reports, room timing) with `spec`'s
-        `VLLMServerSpec` fields, and wait until it serves. It stops with the cluster."""
-        fields: dict[str, Any] = {"report_dir": str(self.reports), "dev_mode": True, "extra_config": EXTRA_CONFIG}
-        fields.update(spec)
-        self.specs[name] = VLLMServerSpec(role, name, tp, free_port(), self.model, self.bootstrap.url, **fields)
+    def spec_for(self, name: str, role: str, tp: int, **fields: Any) -> VLLMServerSpec:
+        """A server of the cluster's kind (its model, bootstrap, reports and room timing), on a free port, with
+        `VLLMServerSpec` fields changed by `fields`."""
+        values: dict[str, Any] = {"report_dir": str(self.reports), "dev_mode": True, "extra_config": EXTRA_CONFIG}
+        values.update(fields)
+        return VLLMServerSpec(role, name, tp, free_port(), self.model, self.bootstrap.url, **values)
+
+    def start(self, name: str, role: str, tp: int, **fields: Any) -> None:
+        """Start one more server (`spec_for`) and wait until it serves. It stops with the cluster."""
+        self.specs[name] = self.spec_for(name, role, tp, **fields)
         self.procs[name] = start_vllm(self.specs[name], self.logs)
         self.procs[name].wait_ready(600.0)
 
@@ -104,33 +131,39 @@ def spec() -> TinyModelSpec:
 
 
 @pytest.fixture(scope="session")
-def cluster(tmp_path_factory: pytest.TempPathFactory, spec: TinyModelSpec) -> Iterator[Cluster]:
+def cluster(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, spec: TinyModelSpec
+) -> Iterator[Cluster]:
     root = tmp_path_factory.mktemp("e2e")
     model = build_tiny_model(spec, root / "cache")
     reports, logs = root / "reports", root / "logs"
     bootstrap = start_bootstrap(logs)
     bootstrap.wait_ready(60.0)
-    layout = {"P2": ("prefill", 2), "P1": ("prefill", 1), "D1": ("decode", 1), "D2": ("decode", 2)}
-    specs = {
-        name: VLLMServerSpec(
-            role,
-            name,
-            tp,
-            free_port(),
-            model,
-            bootstrap.url,
-            report_dir=str(reports),
-            dev_mode=True,
-            extra_config=EXTRA_CONFIG,
-        )
-        for name, (role, tp) in layout.items()
+    cluster = Cluster(model, bootstrap, {}, {}, reports, logs, {})
+    layout: dict[str, tuple[str, int, dict[str, Any]]] = {
+        "P2": ("prefill", 2, {}),
+        "P1": ("prefill", 1, {}),
+        "D1": ("decode", 1, {}),
+        "D2": ("decode", 2, {}),
     }
-    procs = {name: start_vllm(s, logs) for name, s in specs.items()}
-    cluster = Cluster(model, bootstrap, specs, procs, reports, logs, {})
+    if any("small_prefill" in getattr(item, "fixturenames", ()) for item in request.session.items):
+        layout[SMALL_PREFILL] = ("prefill", 1, SMALL_PREFILL_SPEC)  # it starts with the others, not on its own
+    for name, (role, tp, fields) in layout.items():
+        cluster.specs[name] = cluster.spec_for(name, role, tp, **fields)
+        cluster.procs[name] = start_vllm(cluster.specs[name], logs)
     try:
-        for proc in procs.values():
-            proc.wait_ready(600.0)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        for proc in cluster.procs.values():
+            proc.wait_ready(max(deadline - time.monotonic(), 1.0))
         yield cluster
     finally:
-        for proc in [*cluster.routers.values(), *procs.values(), bootstrap]:
+        for proc in [*cluster.routers.values(), *cluster.procs.values(), bootstrap]:
             proc.stop()
+
+
+@pytest.fixture(scope="session")
+def small_prefill(cluster: Cluster) -> str:
+    """The small prefill instance (SMALL_PREFILL), started with the cluster when a collected test asks for it."""
+    if SMALL_PREFILL not in cluster.specs:
+        cluster.start(SMALL_PREFILL, "prefill", 1, **SMALL_PREFILL_SPEC)
+    return SMALL_PREFILL
