@@ -35,6 +35,8 @@ from .test_vllm_e2e import MAX_TOKENS, assert_bit_exact, prompt_ids, single_inst
 
 #: A request that vLLM splits into several must answer within this (today they stall).
 SPLIT_TIMEOUT_S = 60.0
+#: Longest wait for one request that may meet a failed room (the room deadline, and then a recompute).
+REQUEST_TIMEOUT_S = ROOM_TIMEOUT_S + 15.0
 #: Time to first token allowed with a dead prefill instance (the room deadline is ROOM_TIMEOUT_S).
 DEAD_PREFILL_TTFT_S = 10.0
 
@@ -67,7 +69,7 @@ def test_kvstage_keys_a_client_sends_through_the_router_never_reach_vllm(cluster
         "vllm_xargs": {"kvstage_room": -1, "kvstage_peer": "P1", "kvstage_peer_tp": 0},
     }
     before = decode_rooms(cluster.reports)
-    got = texts(post(url, body, ROOM_TIMEOUT_S * 3))
+    got = texts(post(url, body, REQUEST_TIMEOUT_S))
     assert_bit_exact(cluster, spec, wait_new_rooms(cluster, before, 1))
     assert got == [single_instance(cluster, "D1", prompt)]
     cluster.assert_serving("P2", "D1")
@@ -124,7 +126,9 @@ def test_long_prompts_that_preempt_each_other_on_prefill_get_the_single_instance
 
     def send(i: int) -> None:
         try:
-            results[i] = texts(post(url, {"prompt": prompts[i], "max_tokens": MAX_TOKENS, "temperature": 0.0}, 90.0))[0]
+            results[i] = texts(
+                post(url, {"prompt": prompts[i], "max_tokens": MAX_TOKENS, "temperature": 0.0}, REQUEST_TIMEOUT_S)
+            )[0]
         except Exception as exc:  # noqa: BLE001 - the test records what the client saw, any kind of failure
             results[i] = exc
 
@@ -163,16 +167,20 @@ def test_z1c_with_two_decodes_behind_the_router_and_one_killed_99_of_the_next_10
     url = cluster.router("P2", "D1", "D2")
     prompts = [prompt_ids(2600 + i, 24) for i in range(4)]
     expected = [single_instance(cluster, "D1", p) for p in prompts]
+
+    def body(i: int) -> dict[str, Any]:
+        return {"prompt": prompts[i % len(prompts)], "max_tokens": MAX_TOKENS, "temperature": 0.0}
+
     for i in range(2):  # one request to each decode: both serve through this router
-        assert texts(post(url, {"prompt": prompts[i], "max_tokens": MAX_TOKENS, "temperature": 0.0}, 60.0)) == [
-            expected[i]
-        ]
+        assert texts(post(url, body(i), 60.0)) == [expected[i]]
     cluster.kill("D2")
-    failures: list[str] = []
+    ok, failures = 0, []
+    deadline = time.monotonic() + 180.0
     for i in range(100):
-        body = {"prompt": prompts[i % len(prompts)], "max_tokens": MAX_TOKENS, "temperature": 0.0}
+        if time.monotonic() > deadline:
+            break
         try:
-            reply = post(url, body, 30.0)
+            reply = post(url, body(i), 30.0)
         except httpx.HTTPError as exc:
             failures.append(f"#{i}: {exc!r}")
             continue
@@ -180,7 +188,10 @@ def test_z1c_with_two_decodes_behind_the_router_and_one_killed_99_of_the_next_10
             failures.append(f"#{i}: HTTP {reply.status_code} {reply.text[:160]}")
         elif texts(reply) != [expected[i % len(prompts)]]:
             failures.append(f"#{i}: wrong text")
-    assert len(failures) <= 1, f"{len(failures)} of 100 failed, the first: {failures[:3]}"
+        else:
+            ok += 1
+    unsent = 100 - ok - len(failures)
+    assert ok >= 99, f"{ok} of 100 succeeded, {unsent} not sent within 180 s; the first failures: {failures[:3]}"
     cluster.assert_serving("P2", "D1")
 
 
@@ -199,7 +210,7 @@ def test_z3_malformed_kvstage_params_straight_to_decode_get_the_single_instance_
     for params in malformed:
         body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0, "kv_transfer_params": params}
         try:
-            reply = post(cluster.url("D1"), body, ROOM_TIMEOUT_S * 3)
+            reply = post(cluster.url("D1"), body, REQUEST_TIMEOUT_S)
         except httpx.HTTPError as exc:
             outcomes.append(f"{params}: {exc!r}")
             continue
@@ -213,9 +224,14 @@ def test_z3_malformed_kvstage_params_straight_to_decode_get_the_single_instance_
     prompt = prompt_ids(2701, 200)
     before = decode_rooms(cluster.reports)
     assert texts(
-        post(cluster.router("P2", "D1"), {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0}, 90.0)
+        post(
+            cluster.router("P2", "D1"),
+            {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0},
+            REQUEST_TIMEOUT_S,
+        )
     ) == [single_instance(cluster, "D1", prompt)]
     assert_bit_exact(cluster, spec, wait_new_rooms(cluster, before, 1))
+    cluster.assert_serving("P2", "D1")
 
 
 def _preemptions(cluster: Cluster, name: str) -> float:
@@ -228,7 +244,7 @@ def _streamed(url: str, prompt: list[int]) -> tuple[float, str]:
     """A streamed completion through the router: seconds from sending to the first text, and the whole text."""
     body = {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0, "stream": True}
     start, first, parts = time.monotonic(), None, []
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=ROOM_TIMEOUT_S * 3) as reply:
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=REQUEST_TIMEOUT_S) as reply:
         assert reply.status_code == 200, reply.read().decode(errors="replace")
         for line in reply.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
