@@ -1,16 +1,22 @@
 """A small cluster of real vLLM servers (CPU build, the tiny local model) with the kvstage connector, shared by
 the end-to-end tests of this folder: a bootstrap service, prefill instances P2 (TP=2) and P1 (TP=1), decode
-instances D1 (TP=1) and D2 (TP=2), and one kvstage router per (prefill, decode) pair under test.
+instances D1 (TP=1) and D2 (TP=2), and one kvstage router per set of instances under test.
 
-Servers start once per session, together (about 2-4 min on 2 cores); the tests that kill an instance run last
-(their module sorts them so) and take only the instances they kill.
+Servers start once per session, together (about 2-4 min on 2 cores); so does PS, a prefill instance (TP=1) with
+a tiny KV cache, when a collected test asks for it (the `small_prefill` fixture). A test may add a server of its
+own (`Cluster.start`), which lives until the session ends or a test kills it. The tests that kill an instance
+(or may leave one dead) are named `test_z...`: they run after every other test of this folder, in the order of
+their names, whatever module they are in (`pytest_collection_modifyitems` below), and take only the instances they
+kill.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -22,6 +28,42 @@ from kvstage.e2e.servers import ManagedProcess, VLLMServerSpec, free_port, start
 #: the room deadline: a killed prefill is fenced, and the ring space its rooms held is released, before they time out.
 ROOM_TIMEOUT_S = 30.0
 DEAD_AFTER_S = 10.0
+EXTRA_CONFIG: tuple[tuple[str, object], ...] = (("room_timeout_s", ROOM_TIMEOUT_S), ("dead_after_s", DEAD_AFTER_S))
+
+#: A prefill instance (TP=1) with a tiny KV cache, for the tests that need prefill to preempt: 9 usable blocks of
+#: 128 tokens, 128 tokens per step and at most 32 of them per request, so that concurrent prompts of a few blocks
+#: each are computed side by side and run out of blocks. Only sessions with a test that uses the `small_prefill`
+#: fixture start it, with the other servers.
+SMALL_PREFILL = "PS"
+SMALL_PREFILL_SPEC: dict[str, Any] = {
+    "max_model_len": 1024,
+    "extra_args": (
+        *("--num-gpu-blocks-override", "10"),
+        *("--max-num-batched-tokens", "128"),
+        *("--long-prefill-token-threshold", "32"),
+    ),
+}
+
+#: The cluster's servers are ready within this, or the session fails.
+START_TIMEOUT_S = 600.0
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """This folder's `test_z...` tests (they kill instances of the shared cluster) run after its other tests, of
+    every module, and in the order of their names. The rest of the session keeps its order. The first test of this
+    folder starts the cluster: its time limit (pytest-timeout, 300 s a test in pyproject.toml) grows by the
+    cluster's own bound."""
+    here = Path(__file__).parent
+    ours = [item for item in items if here in item.path.parents]
+    last = sorted((item for item in ours if item.name.startswith("test_z")), key=lambda item: item.name)
+    if last:
+        others = [item for item in ours if not item.name.startswith("test_z")]
+        rest = [item for item in items if item not in last]
+        at = rest.index(others[-1]) + 1 if others else min(items.index(item) for item in last)
+        items[:] = [*rest[:at], *last, *rest[at:]]
+    first = next((item for item in items if here in item.path.parents), None)
+    if first is not None:
+        first.add_marker(pytest.mark.timeout(300 + START_TIMEOUT_S))
 
 
 @dataclass
@@ -32,23 +74,55 @@ class Cluster:
     procs: dict[str, ManagedProcess]
     reports: Path
     logs: Path
-    routers: dict[tuple[str, str], ManagedProcess]
+    routers: dict[tuple[str, ...], ManagedProcess]
 
     def url(self, name: str) -> str:
         return self.specs[name].url
 
-    def router(self, prefill: str, decode: str) -> str:
-        """The URL of a router for this pair, started on first use."""
-        key = (prefill, decode)
+    def router(self, prefill: str, *decodes: str, extra_args: Sequence[str] = ()) -> str:
+        """The URL of a router in front of `prefill` and `decodes` (used in turn), with more router flags
+        `extra_args`, started on first use."""
+        key = (prefill, *decodes, *extra_args)
         if key not in self.routers:
-            log = self.logs / f"router-{prefill}-{decode}.log"
-            proc = start_router(self.bootstrap.url, [self.specs[prefill]], [self.specs[decode]], log)
+            log = self.logs / f"router-{'-'.join((prefill, *decodes))}-{len(self.routers)}.log"
+            proc = start_router(
+                self.bootstrap.url, [self.specs[prefill]], [self.specs[d] for d in decodes], log, extra_args
+            )
             proc.wait_ready(60.0)
             self.routers[key] = proc
         return self.routers[key].url
 
+    def spec_for(self, name: str, role: str, tp: int, **fields: Any) -> VLLMServerSpec:
+        """A server of the cluster's kind (its model, bootstrap, reports and room timing), on a free port, with
+        `VLLMServerSpec` fields changed by `fields`."""
+        values: dict[str, Any] = {"report_dir": str(self.reports), "dev_mode": True, "extra_config": EXTRA_CONFIG}
+        values.update(fields)
+        return VLLMServerSpec(role, name, tp, free_port(), self.model, self.bootstrap.url, **values)
+
+    def start(self, name: str, role: str, tp: int, **fields: Any) -> None:
+        """Start one more server (`spec_for`) and wait until it serves. It stops with the cluster."""
+        self.specs[name] = self.spec_for(name, role, tp, **fields)
+        self.procs[name] = start_vllm(self.specs[name], self.logs)
+        self.procs[name].wait_ready(600.0)
+
+    def kill(self, name: str) -> None:
+        """kill -9 of a server (its workers too), unless it is gone already."""
+        self.procs[name].kill()
+
     def reset_prefix_cache(self, name: str) -> None:
         httpx.post(f"{self.url(name)}/reset_prefix_cache", timeout=30.0).raise_for_status()
+
+    def assert_serving(self, *names: str) -> None:
+        """Each server is alive and its /health answers 200; else fail with the tail of its log."""
+        for name in names:
+            try:
+                status: object = httpx.get(f"{self.url(name)}/health", timeout=10.0).status_code
+            except httpx.HTTPError as exc:
+                status = repr(exc)
+            if status != 200 or not self.procs[name].alive():
+                raise AssertionError(
+                    f"{name} does not serve (/health: {status}); its log ends:\n{self.procs[name].log_tail()}"
+                )
 
 
 @pytest.fixture(scope="session")
@@ -57,34 +131,39 @@ def spec() -> TinyModelSpec:
 
 
 @pytest.fixture(scope="session")
-def cluster(tmp_path_factory: pytest.TempPathFactory, spec: TinyModelSpec) -> Iterator[Cluster]:
+def cluster(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, spec: TinyModelSpec
+) -> Iterator[Cluster]:
     root = tmp_path_factory.mktemp("e2e")
     model = build_tiny_model(spec, root / "cache")
     reports, logs = root / "reports", root / "logs"
     bootstrap = start_bootstrap(logs)
     bootstrap.wait_ready(60.0)
-    extra = (("room_timeout_s", ROOM_TIMEOUT_S), ("dead_after_s", DEAD_AFTER_S))
-    layout = {"P2": ("prefill", 2), "P1": ("prefill", 1), "D1": ("decode", 1), "D2": ("decode", 2)}
-    specs = {
-        name: VLLMServerSpec(
-            role,
-            name,
-            tp,
-            free_port(),
-            model,
-            bootstrap.url,
-            report_dir=str(reports),
-            dev_mode=True,
-            extra_config=extra,
-        )
-        for name, (role, tp) in layout.items()
+    cluster = Cluster(model, bootstrap, {}, {}, reports, logs, {})
+    layout: dict[str, tuple[str, int, dict[str, Any]]] = {
+        "P2": ("prefill", 2, {}),
+        "P1": ("prefill", 1, {}),
+        "D1": ("decode", 1, {}),
+        "D2": ("decode", 2, {}),
     }
-    procs = {name: start_vllm(s, logs) for name, s in specs.items()}
-    cluster = Cluster(model, bootstrap, specs, procs, reports, logs, {})
+    if any("small_prefill" in getattr(item, "fixturenames", ()) for item in request.session.items):
+        layout[SMALL_PREFILL] = ("prefill", 1, SMALL_PREFILL_SPEC)  # it starts with the others, not on its own
+    for name, (role, tp, fields) in layout.items():
+        cluster.specs[name] = cluster.spec_for(name, role, tp, **fields)
+        cluster.procs[name] = start_vllm(cluster.specs[name], logs)
     try:
-        for proc in procs.values():
-            proc.wait_ready(600.0)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        for proc in cluster.procs.values():
+            proc.wait_ready(max(deadline - time.monotonic(), 1.0))
         yield cluster
     finally:
-        for proc in [*cluster.routers.values(), *procs.values(), bootstrap]:
+        for proc in [*cluster.routers.values(), *cluster.procs.values(), bootstrap]:
             proc.stop()
+
+
+@pytest.fixture(scope="session")
+def small_prefill(cluster: Cluster) -> str:
+    """The small prefill instance (SMALL_PREFILL), started with the cluster when a collected test asks for it."""
+    if SMALL_PREFILL not in cluster.specs:
+        cluster.start(SMALL_PREFILL, "prefill", 1, **SMALL_PREFILL_SPEC)
+    return SMALL_PREFILL

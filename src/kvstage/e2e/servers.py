@@ -20,7 +20,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,6 +35,14 @@ MAX_MODEL_LEN = 2048
 
 class ProcessFailed(KVStageError):
     """A managed process exited, or never became ready."""
+
+
+def child_pythonpath() -> str:
+    """`PYTHONPATH` for a child: the folder this kvstage was imported from first, so that the servers run the same
+    kvstage as their parent (a worktree's `src`, say, rather than the checkout the venv installed)."""
+    root = str(Path(__file__).resolve().parents[2])  # .../src of .../src/kvstage/e2e/servers.py
+    rest = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != root]
+    return os.pathsep.join([root, *rest])
 
 
 def free_port() -> int:
@@ -90,7 +98,11 @@ class ManagedProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("wb") as log:
             self.proc = subprocess.Popen(
-                self.argv, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **self.env}, start_new_session=True
+                self.argv,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, "PYTHONPATH": child_pythonpath(), **self.env},
+                start_new_session=True,
             )
         return self
 
@@ -157,6 +169,8 @@ class VLLMServerSpec:
     kv_cache_gib: int = 1
     dev_mode: bool = False  # vLLM's development endpoints, e.g. POST /reset_prefix_cache
     extra_config: tuple[tuple[str, object], ...] = ()
+    max_model_len: int = MAX_MODEL_LEN
+    extra_args: tuple[str, ...] = ()  # more vLLM flags, e.g. ("--num-gpu-blocks-override", "12")
 
     @property
     def url(self) -> str:
@@ -191,11 +205,12 @@ class VLLMServerSpec:
             "--dtype",
             "float32",
             "--max-model-len",
-            str(MAX_MODEL_LEN),
+            str(self.max_model_len),
             "--tensor-parallel-size",
             str(self.tp),
             "--kv-transfer-config",
             json.dumps(self.kv_transfer_config()),
+            *self.extra_args,
         ]
 
     def env(self) -> dict[str, str]:
@@ -228,12 +243,18 @@ def start_bootstrap(log_dir: Path) -> ManagedProcess:
 
 
 def start_router(
-    bootstrap: str, prefill: list[VLLMServerSpec], decode: list[VLLMServerSpec], log_path: Path
+    bootstrap: str,
+    prefill: list[VLLMServerSpec],
+    decode: list[VLLMServerSpec],
+    log_path: Path,
+    extra_args: Sequence[str] = (),
 ) -> ManagedProcess:
-    """`kvstage router` on a free loopback port, in front of the given instances."""
+    """`kvstage router` on a free loopback port, in front of the given instances (each role's in turn), with
+    `extra_args` (more router flags) appended."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     argv = [sys.executable, "-m", "kvstage", "router", "--bootstrap", bootstrap, "--port", str(port)]
     for spec in [*prefill, *decode]:
         argv += [f"--{spec.role}", f"{spec.instance}={spec.url}"]
+    argv += extra_args
     return ManagedProcess("router", argv, log_path, url, http_ready(url)).start()
