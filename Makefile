@@ -54,7 +54,7 @@ typecheck: $(STAMP_TEST)
 	$(VENV)/bin/mypy
 
 pytest: $(STAMP_TEST)
-	$(VENV)/bin/pytest -q
+	$(VENV)/bin/pytest -q --durations=15
 
 # The deterministic simulator: 1000 seeds at the default fault level, over two processes.
 sim: $(STAMP_BASE)
