@@ -8,8 +8,8 @@ tile, then V, a `[block_size, head_dim]` tile (dataplane/engine_kv.py). A writer
 token-major, `[tokens, heads, head_dim]` (docs/layout.md), so K is transposed on its way between the two and moves
 in elements. A chunk's tokens fill whole blocks but at its edges, so a copy goes run by run: per run of consecutive
 positions of one block, one strided torch copy moves the run's K of every layer (transposed in the copy, no index
-per element) and one its V. How K's copy walks memory decides its speed (docs/benchmarks.md measures it): a gather
-takes K a head at a time where a tile's rows are a cache line or longer, and a scatter transposes K through a
+per element) and one its V. How K's copy walks memory decides its speed (docs/benchmarks.md measures it): where a
+tile's rows are a cache line or longer, a gather takes K a head at a time and a scatter transposes K through a
 buffer. Where the engine's layers are views of one allocation at a constant stride (what vLLM allocates,
 layer-outer or block-outer), one view holds every layer; otherwise each layer is copied on its own.
 
@@ -29,7 +29,7 @@ import torch
 from kvstage.dataplane.pool import WORD_DTYPES
 from kvstage.errors import InvalidRequest
 
-#: Bytes of a cache line: a gather copies K a head at a time where a tile's row is this long or longer.
+#: Bytes of a cache line: K tile rows this long or longer are copied another way (`Tiles.long_rows`).
 CACHE_LINE = 64
 
 
@@ -80,13 +80,18 @@ class Tiles:
             groups = tuple(_Group(i, k[None], v[None]) for i, (k, v) in enumerate(zip(k_tiles, v_tiles, strict=True)))
         return cls(groups, keys[0].element_size(), keys[0].shape[1])
 
+    @property
+    def long_rows(self) -> bool:
+        """Whether a K tile's row (one head_dim element over a block's positions) spans a cache line or more."""
+        return self.page_size * self.itemsize >= CACHE_LINE
+
     def gather(self, slots: torch.Tensor, heads: slice, block: torch.Tensor) -> None:
         """Copy `slots`' tokens of local `heads` into `block` `[2 (K, V), layers, tokens, heads, head_dim]`.
 
-        K is copied a head at a time where a tile's row (one head_dim element over the block's positions) spans a
-        cache line: the rows one position of every head needs would not stay in cache, those of one head do."""
+        With long rows K is copied a head at a time: the rows that one position of every head reads would not stay
+        in cache while the copy walks the head dimension, those of one head do."""
         runs, count = self._runs(slots, block), heads.stop - heads.start
-        step = 1 if self.page_size * self.itemsize >= CACHE_LINE else count
+        step = 1 if self.long_rows else count
         for group in self.groups:
             keys, values = block[0, group.layers], block[1, group.layers]
             for token, page, position, length in runs:
@@ -99,19 +104,21 @@ class Tiles:
     def scatter(self, block: torch.Tensor, slots: torch.Tensor, heads: slice) -> None:
         """Copy `block` `[2 (K, V), layers, tokens, heads, head_dim]` into `slots`' tokens of local `heads`.
 
-        K goes through a buffer `[layers, heads, positions, head_dim]`: the transposing copy then writes each tile
-        row in order while it reads rows one head_dim apart, not a block's rows, which lie `heads * head_dim`
-        elements apart (a power of two: a few cache sets hold them all)."""
+        With long rows K goes through a buffer `[layers, heads, positions, head_dim]`: the transposing copy then
+        reads rows one head_dim apart instead of the block's, which lie `heads * head_dim` elements apart (a power
+        of two: a few cache sets hold them all, too few for a row's positions)."""
         runs = self._runs(slots, block)
         longest = max((length for *_, length in runs), default=0)
         for group in self.groups:
             keys, values = block[0, group.layers], block[1, group.layers]
-            rows = keys.new_empty((keys.shape[0], keys.shape[2], longest, keys.shape[3]))
+            shape = (keys.shape[0], keys.shape[2], longest, keys.shape[3])
+            rows = keys.new_empty(shape) if self.long_rows else None
             for token, page, position, length in runs:
                 tokens, positions = slice(token, token + length), slice(position, position + length)
-                buffer = rows[:, :, :length]
-                buffer.copy_(keys[:, tokens].transpose(1, 2))
-                group.keys[:, page, heads, :, positions].copy_(buffer.transpose(2, 3))
+                source = keys[:, tokens].transpose(1, 2)  # [layers, heads, positions, head_dim]
+                if rows is not None:
+                    source = rows[:, :, :length].copy_(source)
+                group.keys[:, page, heads, :, positions].copy_(source.transpose(2, 3))
                 group.values[:, page, heads, positions].copy_(values[:, tokens].transpose(1, 2))
 
     def _runs(self, slots: torch.Tensor, block: torch.Tensor) -> list[tuple[int, int, int, int]]:
