@@ -15,8 +15,8 @@ layer-outer or block-outer), one view holds every layer; otherwise each layer is
 
 Invariants: copies go through integer views of the element's width, so every bit pattern survives (NaN payloads,
 -0.0, fp8); a copy touches only its runs' positions of its heads; any slots are served, in any order (a run is one
-position at worst). Called by dataplane.stage for an `EngineKV` of format `vllm_cpu` in host memory, which builds
-its `Tiles`.
+position at worst). Called by dataplane.engine_kv (an `EngineKV` of format `vllm_cpu` in host memory builds its
+`Tiles`) and dataplane.stage (whose gather and scatter copy through them).
 """
 
 from __future__ import annotations
