@@ -9,9 +9,10 @@ token-major, `[tokens, heads, head_dim]` (docs/layout.md), so K is transposed on
 in elements. A chunk's tokens fill whole blocks but at its edges, so a copy goes run by run: per run of consecutive
 positions of one block, one strided torch copy moves the run's K of every layer (transposed in the copy, no index
 per element) and one its V. How K's copy walks memory decides its speed (docs/benchmarks.md measures it): where a
-tile's rows are a cache line or longer, a gather takes K a head at a time and a scatter transposes K through a
-buffer. Where the engine's layers are views of one allocation at a constant stride (what vLLM allocates,
-layer-outer or block-outer), one view holds every layer; otherwise each layer is copied on its own.
+tile's rows are a cache line or longer, a gather takes K a head at a time, and a scatter transposes runs of more
+than `DIRECT_POSITIONS` positions through a buffer. Where the engine's layers are views of one allocation at a
+constant stride (what vLLM allocates, layer-outer or block-outer), one view holds every layer; otherwise each layer
+is copied on its own.
 
 Invariants: copies go through integer views of the element's width, so every bit pattern survives (NaN payloads,
 -0.0, fp8); a copy touches only its runs' positions of its heads; any slots are served, in any order (a run is one
@@ -29,8 +30,10 @@ import torch
 from kvstage.dataplane.pool import WORD_DTYPES
 from kvstage.errors import InvalidRequest
 
-#: Bytes of a cache line: K tile rows this long or longer are copied another way (`Tiles.long_rows`).
+#: Bytes of a cache line: a gather copies K a head at a time where a tile's rows are this long or longer.
 CACHE_LINE = 64
+#: Positions of the longest run a scatter copies K of straight from the block; longer runs go through a buffer.
+DIRECT_POSITIONS = 32
 
 
 def block_runs(slots: torch.Tensor, page_size: int) -> list[tuple[int, int, int, int]]:
@@ -80,18 +83,14 @@ class Tiles:
             groups = tuple(_Group(i, k[None], v[None]) for i, (k, v) in enumerate(zip(k_tiles, v_tiles, strict=True)))
         return cls(groups, keys[0].element_size(), keys[0].shape[1])
 
-    @property
-    def long_rows(self) -> bool:
-        """Whether a K tile's row (one head_dim element over a block's positions) spans a cache line or more."""
-        return self.page_size * self.itemsize >= CACHE_LINE
-
     def gather(self, slots: torch.Tensor, heads: slice, block: torch.Tensor) -> None:
         """Copy `slots`' tokens of local `heads` into `block` `[2 (K, V), layers, tokens, heads, head_dim]`.
 
-        With long rows K is copied a head at a time: the rows that one position of every head reads would not stay
-        in cache while the copy walks the head dimension, those of one head do."""
+        Where a K tile's rows (one head_dim element over a block's positions) span a cache line, K is copied a head
+        at a time: the rows one position of every head reads would not stay in cache while the copy walks the head
+        dimension, those of one head do."""
         runs, count = self._runs(slots, block), heads.stop - heads.start
-        step = 1 if self.long_rows else count
+        step = 1 if self.page_size * self.itemsize >= CACHE_LINE else count
         for group in self.groups:
             keys, values = block[0, group.layers], block[1, group.layers]
             for token, page, position, length in runs:
@@ -104,19 +103,20 @@ class Tiles:
     def scatter(self, block: torch.Tensor, slots: torch.Tensor, heads: slice) -> None:
         """Copy `block` `[2 (K, V), layers, tokens, heads, head_dim]` into `slots`' tokens of local `heads`.
 
-        With long rows K goes through a buffer `[layers, heads, positions, head_dim]`: the transposing copy then
-        reads rows one head_dim apart instead of the block's, which lie `heads * head_dim` elements apart (a power
-        of two: a few cache sets hold them all, too few for a row's positions)."""
+        The transposing copy writes a tile row while it reads one element of every position of the run. In the
+        block those lie `heads * head_dim` elements apart, a power of two that maps them to a few cache sets; runs
+        longer than `DIRECT_POSITIONS` go through a buffer `[layers, heads, positions, head_dim]` instead, whose
+        rows lie one head_dim apart."""
         runs = self._runs(slots, block)
         longest = max((length for *_, length in runs), default=0)
         for group in self.groups:
             keys, values = block[0, group.layers], block[1, group.layers]
             shape = (keys.shape[0], keys.shape[2], longest, keys.shape[3])
-            rows = keys.new_empty(shape) if self.long_rows else None
+            rows = keys.new_empty(shape) if longest > DIRECT_POSITIONS else None
             for token, page, position, length in runs:
                 tokens, positions = slice(token, token + length), slice(position, position + length)
                 source = keys[:, tokens].transpose(1, 2)  # [layers, heads, positions, head_dim]
-                if rows is not None:
+                if rows is not None and length > DIRECT_POSITIONS:
                     source = rows[:, :, :length].copy_(source)
                 group.keys[:, page, heads, :, positions].copy_(source.transpose(2, 3))
                 group.values[:, page, heads, positions].copy_(values[:, tokens].transpose(1, 2))
