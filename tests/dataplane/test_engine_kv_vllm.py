@@ -1,8 +1,8 @@
 """The vLLM formats are what vLLM itself allocates and writes. The caches are built by vLLM's own
 `create_kv_cache_views` (what a connector's `register_kv_caches` receives). `vllm_cpu`: KV that vLLM's CPU attention
-op `cpu_attn_reshape_and_cache` stored is gathered bit-exact, and a scatter leaves the cache byte-identical to what
-that op would have written. `vllm_nhd` / `vllm_hnd`: K and V are where flash-attention's split of the cache puts
-them, for layer-outer and block-outer layouts.
+op `cpu_attn_reshape_and_cache` stored is gathered bit-exact, a scatter leaves the cache byte-identical to what
+that op would have written, and vLLM's allocation is copied every layer at once. `vllm_nhd` / `vllm_hnd`: K and V
+are where flash-attention's split of the cache puts them, for layer-outer and block-outer layouts.
 
 Needs the installed vLLM (vllm-cpu); skipped without it. Each CPU case uses the kernel vLLM itself picks on this
 host (`_get_attn_isa`); the tile-packed `amx` kernels are not a format kvstage reads (docs/integration.md).
@@ -98,3 +98,11 @@ def test_flash_attention_layouts_put_k_and_v_where_vllms_split_of_the_cache_find
     other = KVCacheFormat.VLLM_HND if fmt is KVCacheFormat.VLLM_NHD else KVCacheFormat.VLLM_NHD
     with pytest.raises(ConfigError, match="strides"):
         EngineKV.from_layers(layout, other, caches, HEADS)
+
+
+@pytest.mark.parametrize("layout_name", ["LBHNC", "BLHNC"])
+def test_vllms_cpu_cache_is_copied_every_layer_at_once(layout_name):
+    """vLLM places its layers at a constant stride in one allocation: one view holds them all (dataplane/tiles.py)."""
+    layout = KVLayout(3, HEADS, 64, "bfloat16", 16)
+    kv = EngineKV.from_layers(layout, KVCacheFormat.VLLM_CPU, _vllm_caches(layout, layout_name), HEADS)
+    assert kv.tiles is not None and len(kv.tiles.groups) == 1

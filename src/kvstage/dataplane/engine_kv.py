@@ -2,8 +2,9 @@
 
 Owns `KVCacheFormat` (the layouts kvstage reads and writes in place) and `EngineKV`: per layer, K and V as 4-D
 views `[num_pages, page_size, num_heads, head_dim]` of the engine's tensors, the page and head checks, the slot
-lookup, and the integer-word planes that gather and scatter (dataplane/stage.py) copy through. `KVStore` is what
-those copies and the runtime agents accept: a kvstage `KVPool` or an `EngineKV`.
+lookup, and what gather and scatter (dataplane/stage.py) copy through: integer-word planes, or for `vllm_cpu` in
+host memory its (block, head) tiles (`tiles`, dataplane/tiles.py). `KVStore` is what those copies and the runtime
+agents accept: a kvstage `KVPool` or an `EngineKV`.
 
 Formats (`layers[i]` is what the engine holds for layer i; B pages, N = page_size tokens, H local heads, D head_dim;
 `c = t.view(B, H, 2, N*D)`):
@@ -51,6 +52,7 @@ from kvstage.dataplane.pool import (
     look_up_slots,
     torch_dtype,
 )
+from kvstage.dataplane.tiles import Tiles
 from kvstage.errors import ConfigError, InvalidRequest
 from kvstage.layout import KVLayout
 
@@ -95,6 +97,9 @@ class EngineKV(PagedKV):
         self.device = views[0].device
         self.max_word_bytes = _max_word(views, layout.head_bytes)
         self._planes: dict[int, tuple[Plane, ...]] = {}
+        tiled = self.format is KVCacheFormat.VLLM_CPU and self.device.type == "cpu"
+        #: vLLM CPU's KV in host memory is copied run by run (dataplane/tiles.py); None: through `planes`.
+        self.tiles = Tiles.of(self._keys, self._values) if tiled else None
 
     @classmethod
     def from_layers(cls, layout: KVLayout, fmt: KVCacheFormat, layers: Layers, num_heads: int) -> EngineKV:

@@ -20,10 +20,13 @@ KV stores: a kvstage `KVPool` or an engine's own KV (`EngineKV`, read and writte
 `Plane`s, slot-addressed integer views: a `KVPool` is one plane over every layer and both K and V, so each copy
 is a single torch op (`index_select` / `index_copy_` over slot indices); an `EngineKV` has one plane per (K/V,
 layer), flat where its pages and positions merge into one slot axis (vLLM NHD, sglang) and indexed by (page,
-position) where they cannot (vLLM CPU, vLLM HND). No Python loop per token or page. With the KV and the staging
-on one GPU, the Triton kernels of dataplane/kernels.py copy instead (one launch over every layer and K and V, any
-of these layouts but vLLM CPU's transposed K; imported only then); this torch path is their bit-exact reference
-and serves the CPU and host staging (docs/benchmarks.md has both measured on an H200).
+position) where they cannot (vLLM CPU on a GPU, vLLM HND). No Python loop per token or page. vLLM CPU's KV in host
+memory is the exception: its K is stored transposed, so a plane copies it one element per index; it is copied by
+`EngineKV.tiles` (dataplane/tiles.py) instead, a few strided copies per run of one block's positions, every
+layer at once. With the KV and the staging on one GPU, the Triton kernels of dataplane/kernels.py copy instead (one
+launch over every layer and K and V, any of these layouts but vLLM CPU's transposed K; imported only then); this
+torch path is their bit-exact reference and serves the CPU and host staging (docs/benchmarks.md has both measured
+on an H200, and the vLLM CPU path on a CPU).
 
 Invariants: copies go through an integer view of the bytes (the widest word that divides the head size, the
 block's address and the store's strides), so every bit pattern survives, NaN payloads and -0.0 included, in fp32,
@@ -39,7 +42,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvstage.dataplane.engine_kv import KVStore
+from kvstage.dataplane.engine_kv import EngineKV, KVStore
 from kvstage.dataplane.fence import CopyFence
 from kvstage.dataplane.pool import WORD_DTYPES, Pages, Plane
 from kvstage.errors import InvalidRequest
@@ -47,6 +50,7 @@ from kvstage.layout import Chunk, StagingPlan, WriterBlock
 
 if TYPE_CHECKING:
     from kvstage.dataplane.kernels import KVAddress
+    from kvstage.dataplane.tiles import Tiles
 
 
 class StagingBuffer:
@@ -90,17 +94,13 @@ def _word_bytes(kv: KVStore, region: torch.Tensor) -> int:
     )
 
 
-def _views(
-    kv: KVStore, staging: torch.Tensor, offset: int, num_tokens: int, num_heads: int
-) -> tuple[tuple[Plane, ...], torch.Tensor]:
-    """(the store's planes, block `[2, L, tokens, heads, words]`), in the same integer word.
-
-    Checks that the block fits the staging buffer before anything is copied.
-    """
+def _block(kv: KVStore, staging: torch.Tensor, offset: int, num_tokens: int, num_heads: int) -> torch.Tensor:
+    """The block `[2, L, tokens, heads, words]` at `offset` of `staging`, in the widest word that `_word_bytes`
+    allows. Checks that it fits the staging buffer before anything is copied."""
     region = _region(staging, offset, block_bytes(kv, num_tokens, num_heads), kv.device)
     word = _word_bytes(kv, region)
     shape = (2, kv.layout.num_layers, num_tokens, num_heads, kv.layout.head_bytes // word)
-    return kv.planes(word), region.view(WORD_DTYPES[word]).view(shape)
+    return region.view(WORD_DTYPES[word]).view(shape)
 
 
 class _Rows:
@@ -159,10 +159,14 @@ def gather_slots(
     """
     if (address := _kernel_address(kv, staging)) is not None:
         return address.gather(slots, head_start, num_heads, staging, offset)
-    planes, block = _views(kv, staging, offset, slots.numel(), num_heads)
+    block, heads = _block(kv, staging, offset, slots.numel(), num_heads), slice(head_start, head_start + num_heads)
+    if (tiles := _tiles(kv)) is not None:
+        tiles.gather(slots, heads, block)
+        return block.numel() * block.element_size()
+    planes = kv.planes(block.element_size())
     # host staging of a device store: gather on the device, one copy down (returns once it has landed)
     out = block if block.device == kv.device else torch.empty(block.shape, dtype=block.dtype, device=kv.device)
-    rows, heads = _Rows(slots, kv.layout.page_size, planes), slice(head_start, head_start + num_heads)
+    rows = _Rows(slots, kv.layout.page_size, planes)
     for plane in planes:
         rows.take(plane, heads, out[plane.part])
     if out is not block:
@@ -210,12 +214,21 @@ def _queue_scatter(
     kernels."""
     if (address := _kernel_address(kv, staging)) is not None:
         return address.scatter(staging, offset, slots, head_start, num_heads)
-    planes, block = _views(kv, staging, offset, slots.numel(), num_heads)
+    block, heads = _block(kv, staging, offset, slots.numel(), num_heads), slice(head_start, head_start + num_heads)
+    if (tiles := _tiles(kv)) is not None:
+        tiles.scatter(block, slots, heads)
+        return block.numel() * block.element_size()
+    planes = kv.planes(block.element_size())
     src = block.to(kv.device, non_blocking=True)
-    rows, heads = _Rows(slots, kv.layout.page_size, planes), slice(head_start, head_start + num_heads)
+    rows = _Rows(slots, kv.layout.page_size, planes)
     for plane in planes:
         rows.put(plane, heads, src[plane.part])
     return block.numel() * block.element_size()
+
+
+def _tiles(kv: KVStore) -> Tiles | None:
+    """How vLLM CPU's KV in host memory is copied, run by run; None: another store, through its planes."""
+    return kv.tiles if isinstance(kv, EngineKV) else None
 
 
 def _kernel_address(kv: KVStore, staging: torch.Tensor) -> KVAddress | None:
