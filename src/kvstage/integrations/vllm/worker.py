@@ -181,6 +181,8 @@ class WorkerSide:
             if room is None:
                 continue
             del self._rooms[room]
+            log.info("kvstage: request %s preempted: room %d aborted (decode recomputes), its blocks reclaimed", req_id,
+                     room)  # fmt: skip
             self._guarded("reclaim", partial(self._reclaim, agent, room))
 
     def _reclaim(self, agent: PrefillAgent, room: int) -> None:
