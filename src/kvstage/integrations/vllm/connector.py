@@ -109,12 +109,12 @@ class KVStageConnector(KVConnectorBase_V1):
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         if isinstance(kv_connector_metadata, StepMetadata):
-            _step_hook("handle_preemptions", self._worker_side().reclaim_preempted, kv_connector_metadata)
+            self._step_hook("handle_preemptions", self._worker_side().reclaim_preempted, kv_connector_metadata)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
         if isinstance(connector_metadata, StepMetadata):
-            _step_hook("bind_connector_metadata", self._worker_side().bind, connector_metadata)
+            self._step_hook("bind_connector_metadata", self._worker_side().bind, connector_metadata)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         """Nothing to start: rooms began at bind_connector_metadata and land asynchronously."""
@@ -128,12 +128,12 @@ class KVStageConnector(KVConnectorBase_V1):
         """Nothing per layer: kvstage reads the step's KV once the forward is done (wait_for_save)."""
 
     def wait_for_save(self) -> None:
-        _step_hook("wait_for_save", self._worker_side().wait_for_save)
+        self._step_hook("wait_for_save", self._worker_side().wait_for_save)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        results = _step_hook("get_transfer_results", self._worker_side().transfer_results) or Results(
-            set(), set(), set()
-        )
+        results = self._step_hook("get_transfer_results", self._worker_side().transfer_results)
+        if results is None:
+            results = Results(set(), set(), set())
         return KVConnectorTransferResults(
             finished_sending=results.finished_sending,
             finished_recving=results.finished_recving,
@@ -182,6 +182,17 @@ class KVStageConnector(KVConnectorBase_V1):
 
     # ---- plumbing -----------------------------------------------------------------------------------------
 
+    def _step_hook(self, name: str, call: Callable[..., _R], *args: Any) -> _R | None:
+        """A worker's per-step hook: a failure of kvstage's (a bug) is logged with its traceback and counted in
+        `WorkerSide.errors`, and the step goes on; a raise here would kill vLLM's worker. The rooms it concerned
+        end by their deadline."""
+        try:
+            return call(*args)
+        except Exception:
+            log.exception("kvstage: worker hook %s failed; the engine goes on", name)
+            self._worker_side().errors[name] += 1
+            return None
+
     def _worker_side(self) -> WorkerSide:
         if self._worker is None:
             raise ConfigError("kvstage: a worker hook was called on the scheduler's connector")
@@ -191,21 +202,6 @@ class KVStageConnector(KVConnectorBase_V1):
         if self._scheduler is None:
             raise ConfigError("kvstage: a scheduler hook was called on a worker's connector")
         return self._scheduler
-
-
-def _step_hook(name: str, call: Callable[..., _R], *args: Any) -> _R | None:
-    """A worker's per-step hook: a failure of kvstage's (a bug) is logged with its traceback and counted, and the
-    step goes on; a raise here would kill vLLM's worker. The rooms it concerned end by their deadline."""
-    try:
-        return call(*args)
-    except Exception:
-        log.exception("kvstage: worker hook %s failed; the engine goes on", name)
-        _HOOK_FAILURES[name] = _HOOK_FAILURES.get(name, 0) + 1
-        return None
-
-
-#: worker hooks that failed, by name (also logged with their tracebacks)
-_HOOK_FAILURES: dict[str, int] = {}
 
 
 def engine_facts(vllm_config: VllmConfig, producer: bool) -> EngineFacts:

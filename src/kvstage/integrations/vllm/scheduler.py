@@ -136,14 +136,15 @@ class SchedulerSide:
         self._tickets[req_id] = ticket
         return ticket
 
-    def _release_ticket(self, req_id: str) -> None:
+    def _release_ticket(self, req_id: str) -> Ticket | None:
+        """The finished request's ticket, forgotten (with its siblings' count once the last of them is gone)."""
         ticket = self._tickets.pop(req_id, None)
-        if ticket is None:
-            return
-        key = ticket.siblings
-        self._sibling_live[key] -= 1
-        if self._sibling_live[key] <= 0:
-            del self._sibling_live[key], self._sibling_seen[key]
+        if ticket is not None:
+            key = ticket.siblings
+            self._sibling_live[key] -= 1
+            if self._sibling_live[key] <= 0:
+                del self._sibling_live[key], self._sibling_seen[key]
+        return ticket
 
     # ---- decode -------------------------------------------------------------------------------------------
 
@@ -205,8 +206,7 @@ class SchedulerSide:
     @_never_raises(lambda: (False, _NO_PARAMS))
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         req_id = request.request_id
-        ticket = self._tickets.get(req_id)
-        self._release_ticket(req_id)
+        ticket = self._release_ticket(req_id)
         self._tried.discard(req_id)
         if waiting := self._waiting.pop(req_id, None):  # decode, still waiting: vLLM holds the blocks for us
             self._next.abort.append(AbortRoom(req_id, waiting.room))

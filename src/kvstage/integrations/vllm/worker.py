@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import re
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -100,7 +101,8 @@ class WorkerSide:
         self._ready: list[ComputeStep] = []  # prefill: this step's kv_ready calls, made after the forward
         self._sending: set[str] = set()  # prefill: requests whose blocks vLLM holds until reported sent
         self._unserved: set[str] = set()  # decode: requests to report failed at the next get_finished
-        self.errors = 0  # engine calls that failed here (logged; the request went on without kvstage)
+        #: engine calls and hooks that failed here, by name (each also logged with its traceback)
+        self.errors: Counter[str] = Counter()
 
     # ---- start-up -----------------------------------------------------------------------------------------
 
@@ -210,7 +212,7 @@ class WorkerSide:
             call()
         except Exception:
             log.exception("kvstage: %s failed on rank %d", what, self._facts.rank)
-            self.errors += 1
+            self.errors[what] += 1
             if failed:
                 self._unserved.add(failed)
 
