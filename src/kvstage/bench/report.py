@@ -16,7 +16,9 @@ from rich.table import Table
 
 from kvstage.bench.config import BenchConfig
 from kvstage.bench.runner import BenchResult, run_bench, total_steps
+from kvstage.bench.stages import LANE_SEGMENTS, SCATTER_SEGMENTS
 
+SEGMENT_ORDER = (*(name for name, _, _ in LANE_SEGMENTS + SCATTER_SEGMENTS), "latency", "period")
 LABELS = {"staged": "staged (agents)", "slice": "direct per-slice", "raw": "raw bulk"}
 
 
@@ -78,6 +80,13 @@ def print_table(result: BenchResult, console: Console) -> None:
         f"staged, best round: {stages.pop('wall') * 1e3:.1f} ms wall; busiest rank per stage: "
         + ", ".join(f"{stage} {seconds * 1e3:.1f} ms" for stage, seconds in stages.items())
     )
+    segments = result.chunk_segments()
+    if segments:
+        chunks = segments.pop("chunks", 0.0)
+        console.print(
+            f"a chunk's path (median over {chunks:.0f} chunks a round, median of rounds): "
+            + ", ".join(f"{name} {segments[name] * 1e3:.3f} ms" for name in SEGMENT_ORDER if name in segments)
+        )
     for check in result.checks:
         console.print(f"verified: {check}")
 

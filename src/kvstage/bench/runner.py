@@ -14,7 +14,8 @@ Owns the run's sequence and the arithmetic of its results:
 Each round starts every rank at one shared `time.monotonic()` instant; a path's time is the non-overlapping wall
 time from the first rank's start to the last completion (staged: the last decode rank's last room outcome,
 i.e. scattered into its KV pool). GB/s is bytes moved / that time, in 1e9 bytes per second. Operations are the
-transfer operations the ranks' transports issued (`DataTransport.ops_issued`), per request.
+transfer operations the ranks' transports issued (`DataTransport.ops_issued`), per request. Each staged round
+also breaks a chunk's time into the segments of its path, from the agents' chunk stamps (bench/stages.py).
 
 Invariants: every wait has a deadline; any failed room, transfer or mismatch is a `BenchError` with its reason
 (never a number); every process started is stopped (or killed) on the way out. Called by the CLI and tests.
@@ -26,7 +27,7 @@ import multiprocessing as mp
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any
@@ -34,6 +35,7 @@ from typing import Any
 import torch
 
 from kvstage.bench.config import BenchConfig
+from kvstage.bench.stages import chunk_breakdown
 from kvstage.bench.worker import DECODE, PREFILL, Timed, worker_main
 from kvstage.errors import KVStageError
 from kvstage.transport.bootstrap import BootstrapServer
@@ -42,6 +44,8 @@ from kvstage.transport.bootstrap import BootstrapServer
 #: engine's forward pass: rooms are announced (attach, compute_scheduled) at once and KV is ready at the start.
 START_DELAY_S = 0.2
 PATHS = ("staged", "slice", "raw")
+#: One timed round: wall seconds, transfer ops, the busiest rank's seconds per stage, a chunk's segments.
+Round = tuple[float, int, dict[str, float], dict[str, float]]
 
 
 class BenchError(KVStageError):
@@ -58,6 +62,8 @@ class PathResult:
     ops_per_request: float
     #: per round, the busiest rank's seconds in each stage (staged path only)
     stages: tuple[dict[str, float], ...] = ()
+    #: per round, a chunk's median seconds in each segment of its path (staged path only; bench/stages.py)
+    chunks: tuple[dict[str, float], ...] = ()
 
     @property
     def best_round(self) -> int:
@@ -89,6 +95,12 @@ class BenchResult:
         """Wall seconds of the best staged round and, for each stage, the busiest rank's seconds in it."""
         best = self.staged.best_round
         return {"wall": self.staged.seconds[best], **self.staged.stages[best]}
+
+    def chunk_segments(self) -> dict[str, float]:
+        """Per segment of a chunk's path, the median over rounds of each round's median seconds (bench/stages.py)."""
+        rounds = self.staged.chunks
+        names = {name for r in rounds for name in r}
+        return {name: statistics.median(r[name] for r in rounds if name in r) for name in sorted(names)}
 
     @property
     def paths(self) -> tuple[PathResult, PathResult, PathResult]:
@@ -133,6 +145,7 @@ class BenchResult:
             "verified": list(self.checks),
             "gpus": self.gpus,
             "staged_stages_s": self.staged_stages(),
+            "chunk_segments_s": self.chunk_segments(),
         }
 
 
@@ -222,8 +235,9 @@ class _Cluster:
         c = self.config.concurrency
         return [(1 + round_index * c + slot, slot) for slot in range(c)]
 
-    def staged(self, round_index: int) -> tuple[float, int, dict[str, float]]:
-        """(wall seconds, transfer ops, busiest rank's seconds per stage) of one staged round through the agents."""
+    def staged(self, round_index: int) -> Round:
+        """(wall seconds, transfer ops, busiest rank's seconds per stage, chunk segments) of one staged round
+        through the agents."""
         rooms = self.rooms(round_index)
         for rank in self.decode:
             rank.send("expect", rooms)
@@ -240,18 +254,21 @@ class _Cluster:
         for t in timed + ends:
             for stage, seconds in t.busy:
                 stages[stage] = max(stages.get(stage, 0.0), seconds)
-        return max(t.end for t in ends) - min(t.start for t in timed), sum(t.ops for t in timed), stages
+        decode_peers = frozenset(mark[0] for t in ends for mark in t.marks)
+        segments = chunk_breakdown((mark for t in timed + ends for mark in t.marks), decode_peers)
+        return max(t.end for t in ends) - min(t.start for t in timed), sum(t.ops for t in timed), stages, segments
 
-    def baseline(self, command: str) -> tuple[float, int, dict[str, float]]:
-        """(wall seconds, transfer ops, no stages) of one round of the per-slice ("slice") or raw bulk ("raw") path."""
+    def baseline(self, command: str) -> Round:
+        """(wall seconds, transfer ops, no stages or segments) of one round of the per-slice ("slice") or raw bulk
+        ("raw") path."""
         slots = list(range(self.config.concurrency))
         start_at = time.monotonic() + START_DELAY_S
         for rank in self.prefill:
             rank.send(command, slots, start_at)
         timed: list[Timed] = [rank.recv() for rank in self.prefill]
-        return max(t.end for t in timed) - min(t.start for t in timed), sum(t.ops for t in timed), {}
+        return max(t.end for t in timed) - min(t.start for t in timed), sum(t.ops for t in timed), {}, {}
 
-    def run(self, path: str, round_index: int) -> tuple[float, int, dict[str, float]]:
+    def run(self, path: str, round_index: int) -> Round:
         return self.staged(round_index) if path == "staged" else self.baseline(path)
 
     # ---- verification --------------------------------------------------------------------------------------
@@ -325,14 +342,17 @@ def run_bench(config: BenchConfig, step: Step | None = None) -> BenchResult:
         cluster.run("staged", 0)
         seconds: dict[str, list[float]] = {p: [] for p in PATHS}
         stages: dict[str, list[dict[str, float]]] = {p: [] for p in PATHS}
+        segments: list[dict[str, float]] = []
         ops: dict[str, int] = {}
         for round_index in range(1, config.repeats + 1):
             for path in PATHS:
                 announce(f"round {round_index}/{config.repeats}: {path}")
-                wall, ops[path], busy = cluster.run(path, round_index)
+                wall, ops[path], busy, chunks = cluster.run(path, round_index)
                 seconds[path].append(wall)
                 if busy:
                     stages[path].append(busy)
+                if chunks:
+                    segments.append(chunks)
                 if round_index == 1 and path == "slice":
                     checks += cluster.verify_staged_and_slice()
         finished = True
@@ -343,6 +363,7 @@ def run_bench(config: BenchConfig, step: Step | None = None) -> BenchResult:
     results = {
         p: PathResult(p, tuple(seconds[p]), nbytes, ops[p] / config.concurrency, tuple(stages[p])) for p in PATHS
     }
+    results["staged"] = replace(results["staged"], chunks=tuple(segments))
     gpus = min(config.prefill_tp + config.decode_tp, torch.cuda.device_count()) if config.device == "cuda" else 0
     return BenchResult(
         config, results["staged"], results["slice"], results["raw"], cluster.slice_descriptors(), tuple(checks), gpus

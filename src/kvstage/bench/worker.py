@@ -27,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -36,6 +37,7 @@ from typing import Any
 import torch
 
 from kvstage.bench.config import BenchConfig
+from kvstage.bench.stages import RankMark
 from kvstage.dataplane import KVPool, PoolGeometry, plan_direct_slices
 from kvstage.layout import HeadTransfer, ceil_div, heads_of_rank, plan_head_transfers, plan_staging
 from kvstage.protocol import Timing
@@ -62,6 +64,10 @@ BENCH_TIMING = Timing(heartbeat_s=0.5, dead_after_s=60.0, retry_initial_s=0.05, 
 DECODE_POLL_S = 0.0002
 #: Prefill's outcomes only gate the next round, so it polls less often and leaves the CPU to the transfer.
 PREFILL_POLL_S = 0.01
+#: Chunk stamps each agent keeps (runtime/trace.py): several rounds' worth of the largest runs.
+TRACE_MARKS = 1 << 18
+#: The agent's threads whose CPU time each staged round reports, by the end of their names.
+AGENT_THREADS = {"agent cpu": "-agent", "copy cpu": "-copier", "control cpu": "-io"}
 
 
 class WorkerFailed(Exception):
@@ -123,6 +129,16 @@ def since(before: dict[str, float], after: dict[str, float]) -> tuple[tuple[str,
     return tuple((stage, after[stage] - before[stage]) for stage in after)
 
 
+def thread_cpu_seconds() -> dict[str, float]:
+    """CPU seconds so far of this process's agent threads (one agent per bench rank process), by AGENT_THREADS."""
+    out: dict[str, float] = {}
+    for thread in threading.enumerate():
+        for label, suffix in AGENT_THREADS.items():
+            if thread.ident is not None and thread.name.startswith("kvstage-") and thread.name.endswith(suffix):
+                out[label] = time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+    return out
+
+
 def wait_until(at: float) -> float:
     """Sleep until monotonic time `at`; returns the time it woke."""
     delay = at - time.monotonic()
@@ -135,12 +151,13 @@ def wait_until(at: float) -> float:
 class Timed:
     """One measured run on one rank: first submission, last completion, transfer operations issued, and (staged
     path) the seconds this rank's agent spent in each stage: "gather" or "scatter" on its copy thread, "transfer"
-    with at least one write in flight."""
+    with at least one write in flight, and the CPU seconds of its threads (AGENT_THREADS); and its chunk marks."""
 
     start: float
     end: float
     ops: int
     busy: tuple[tuple[str, float], ...] = ()
+    marks: tuple[RankMark, ...] = ()
 
 
 class _Rank:
@@ -173,6 +190,7 @@ class _Rank:
             timing=BENCH_TIMING,
             chunk_tokens=self.config.chunk_tokens,
             writes_per_peer=self.config.writes_per_peer,
+            trace_chunks=TRACE_MARKS,
         )
 
     def close(self) -> None:
@@ -185,7 +203,12 @@ class _Rank:
         seconds = {copy: m.value("kvstage_copy_seconds_sum", kind=copy)}
         if self.role == PREFILL:
             seconds["transfer"] = m.value("kvstage_transfer_busy_seconds_total")
-        return seconds
+        return seconds | thread_cpu_seconds()
+
+    def drain_marks(self) -> tuple[RankMark, ...]:
+        """The chunk marks this rank's agent made since the last call."""
+        local = self.agent.peer_id
+        return tuple((local, m.room, m.chunk, m.stage, m.at, m.peer) for m in self.agent.trace.drain())
 
     def wait_rooms(self, rooms: list[int], poll_s: float) -> float:
         """Poll the agent every `poll_s` until every room ended; returns when the last one was seen to end.
@@ -234,7 +257,7 @@ class DecodeRank(_Rank):
     def wait(self, rooms: list[int]) -> Timed:
         before = self.stage_seconds()
         end = self.wait_rooms(rooms, DECODE_POLL_S)
-        return Timed(end, end, 0, since(before, self.stage_seconds()))
+        return Timed(end, end, 0, since(before, self.stage_seconds()), self.drain_marks())
 
     def expect(self, rooms: list[tuple[int, int]]) -> None:
         peers = tuple(peer_id(PREFILL, r) for r in range(self.config.prefill_tp))
@@ -346,7 +369,8 @@ class PrefillRank(_Rank):
             self.prefill_agent.kv_ready(room, self.config.tokens, tuple(self.pages[slot]))
         end = self.wait_rooms([room for room, _ in rooms], PREFILL_POLL_S)
         self.agent.wait_quiescent(self.config.timeout_s)
-        return Timed(start, end, self.agent.transport.ops_issued - ops, since(before, self.stage_seconds()))
+        busy = since(before, self.stage_seconds())
+        return Timed(start, end, self.agent.transport.ops_issued - ops, busy, self.drain_marks())
 
     def per_slice(self, slots: list[int], start_at: float) -> Timed:
         batch = self.config.batch_slices

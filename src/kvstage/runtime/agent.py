@@ -77,6 +77,7 @@ from kvstage.runtime.copier import Copier, CopyDone
 from kvstage.runtime.directory import Resolver
 from kvstage.runtime.metrics import AgentMetrics
 from kvstage.runtime.peers import PeerLinks
+from kvstage.runtime.trace import ChunkTrace
 from kvstage.transport.auth import FrameAuth
 from kvstage.transport.bootstrap import BootstrapClient, PeerRecord
 from kvstage.transport.control import ControlChannel
@@ -123,6 +124,7 @@ class BaseAgent(PeerLinks):
         self.pool = kv
         self.peer_id = config.peer_id
         self.metrics = AgentMetrics(self.role, self.peer_id)
+        self.trace = ChunkTrace(config.trace_chunks)
         self.session = time.time_ns()
         self._codec = Codec(config.channel.max_frame_bytes)
         self._events: queue.SimpleQueue[Any] = queue.SimpleQueue()
@@ -406,6 +408,7 @@ class BaseAgent(PeerLinks):
                 self._inbox_bytes -= nbytes
             if not self._verified(item.envelope, nbytes):
                 return
+            self.trace.message(item.envelope.body, "in", item.envelope.sender)
         self._feed(item)
 
     def _feed(self, event: Any) -> None:
@@ -447,6 +450,7 @@ class BaseAgent(PeerLinks):
     def _execute_common(self, action: Action) -> None:
         match action:
             case Send():
+                self.trace.message(action.envelope.body, "out", action.peer)
                 self._send(action.peer, action.envelope)
             case FencePeer():
                 self._peer_fenced(action.peer)

@@ -60,6 +60,8 @@ class AgentConfig:
     #: How long one bootstrap request (lookup or registration) may take before it is retried. On a starved host a
     #: short timeout makes every lookup fail in a loop while sends to unresolved peers wait.
     bootstrap_timeout_s: float = 5.0
+    #: Chunk stage stamps kept for `kvstage bench`'s breakdown (runtime/trace.py); 0 (the default) records none.
+    trace_chunks: int = 0
 
     def __post_init__(self) -> None:
         if not self.bootstrap_timeout_s > 0:

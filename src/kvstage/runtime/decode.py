@@ -162,13 +162,17 @@ class DecodeAgent(BaseAgent):
         """Queue the scatter on the copy thread; the room's in-flight count lets FenceScatter wait for it."""
         self._scatters[action.room] = self._scatters.get(action.room, 0) + 1
         ring = self.ring_region.tensor
+        self.trace.mark(action.room, action.chunk, "scatter_issued")
 
         def job() -> int:
+            self.trace.mark(action.room, action.chunk, "scatter_begin")
             slots = self._slots[action.room]  # stored when the room was accepted, dropped with its outcome
             chunk_slots = slots.range(action.token_start, action.token_end)
-            return queue_scatter_region(ring, action.region.offset, action.plan, self.pool, chunk_slots)
+            nbytes = queue_scatter_region(ring, action.region.offset, action.plan, self.pool, chunk_slots)
+            self.trace.mark(action.room, action.chunk, "scatter_end")
+            return nbytes
 
-        self.copier.submit((action.token, action.room), job)
+        self.copier.submit((action.token, action.room, action.chunk), job)
 
     def _copy_done(self, done: CopyDone) -> None:
         """A scatter is queued (or failed to): it counts as in flight until its fence is done."""
@@ -192,7 +196,8 @@ class DecodeAgent(BaseAgent):
 
     def _landed(self, done: CopyDone, failure: str) -> None:
         self._progressed()
-        token, room = cast(tuple[int, int], done.key)
+        token, room, chunk = cast(tuple[int, int, int], done.key)
+        self.trace.mark(room, chunk, "landed")
         left = self._scatters[room] - 1
         if left:
             self._scatters[room] = left

@@ -211,6 +211,7 @@ class PrefillAgent(BaseAgent):
     def _execute(self, action: Action) -> None:
         match action:
             case WriteRegion() | WriteDirect():
+                self.trace.mark(action.room, action.chunk, "issued", action.peer)
                 self._issue(action)
             case RoomSucceeded():
                 self._room_ended(action.room)
@@ -342,19 +343,23 @@ class PrefillAgent(BaseAgent):
         known = self._slots.get(action.room)
 
         def job() -> int:
+            self.trace.mark(action.room, action.chunk, "gather_begin", action.peer)
             heads = (transfer.src_head_start, transfer.num_heads)
             self.pool.geometry.check_heads(*heads)
             with self._claims.reading(action.room, self.copier.stream):
                 slots = None if known is None else known.of(action, self.pool.layout.page_size)
                 if slots is None:  # no lookup at kv_ready (its pages were refused) or other pages: this chunk's
                     slots = self.pool.slot_indices(action.src_pages, 0, action.num_tokens)
-                return gather_slots(self.pool, slots, *heads, staging, offset)
+                nbytes = gather_slots(self.pool, slots, *heads, staging, offset)
+            self.trace.mark(action.room, action.chunk, "gather_end", action.peer)
+            return nbytes
 
         self.copier.submit(action.token, job)
 
     def _copy_done(self, done: CopyDone) -> None:
         write = self._gathering.pop(cast(int, done.key))
         assert isinstance(write.action, WriteRegion) and write.slot is not None
+        self.trace.mark(write.action.room, write.action.chunk, "gather_seen", write.action.peer)
         if not done.ok:
             self._slab.free(write.slot)
             self._complete(write.action.token, False, f"gather failed: {done.reason}")
@@ -408,6 +413,7 @@ class PrefillAgent(BaseAgent):
 
     def _submit(self, write: _Write, runs: list[tuple[int, int, int]], source: LocalRegion) -> None:
         write.started = time.perf_counter()
+        self.trace.mark(write.action.room, write.action.chunk, "posted", write.action.peer)
         self.metrics.transfer_started()
         lease = self.endpoint.lease_until(write.action.peer)  # checked again right before the bytes move
         self._in_flight[self.transport.write_batch(source, write.remote, runs, write.after, not_after=lease)] = (
@@ -457,6 +463,7 @@ class PrefillAgent(BaseAgent):
                 log.error("%s: completion for unknown transfer %d", self.peer_id, done.transfer_id)
                 continue
             write = ready[0]
+            self.trace.mark(write.action.room, write.action.chunk, "written", write.action.peer)
             self.metrics.transfer_finished(write.nbytes, time.perf_counter() - write.started, done.ops, done.ok)
             if not done.ok and done.reason == LEASE_EXPIRED and not done.peer_gone and self._still_target(write):
                 # refused before any byte moved (the lease lapsed between posting and its first byte): it waits at
