@@ -92,8 +92,9 @@ log = logging.getLogger(__name__)
 
 #: The transport wakes the agent thread when a write completes (`DataTransport.on_completion`). As a backstop
 #: while writes are in flight, the thread also polls it: first after BUSY_POLL_MIN_S, doubling up to
-#: BUSY_POLL_MAX_S while nothing completes. With nothing in flight it sleeps up to IDLE_POLL_S when no event or
-#: timer is due.
+#: BUSY_POLL_MAX_S with each wait that passes with no event at all (a completion starts over from the minimum), so
+#: traffic on the control plane does not stretch it. With nothing in flight it sleeps up to IDLE_POLL_S when no
+#: event or timer is due.
 BUSY_POLL_MIN_S = 0.0002
 BUSY_POLL_MAX_S = 0.004
 IDLE_POLL_S = 0.05
@@ -362,17 +363,16 @@ class BaseAgent(PeerLinks):
         return not stopping
 
     def _next_batch(self) -> list[Any]:
-        if self._busy():
-            timeout = self._poll_delay
-            self._poll_delay = min(2 * self._poll_delay, BUSY_POLL_MAX_S)
-        else:
-            timeout = IDLE_POLL_S
+        busy = self._busy()
+        timeout = self._poll_delay if busy else IDLE_POLL_S
         due = self.endpoint.next_timer()
         if due is not None:
             timeout = min(timeout, max(0.0, due - time.monotonic()))
         try:
             batch = [self._events.get(timeout=timeout)]
         except queue.Empty:
+            if busy:  # a whole wait went by with nothing done: back off (a completion resets it, `_progressed`)
+                self._poll_delay = min(2 * self._poll_delay, BUSY_POLL_MAX_S)
             return []
         while len(batch) < 1024:
             try:
