@@ -255,7 +255,13 @@ def bootstrap(
 
 @app.command()
 def router(
-    bootstrap: Annotated[str, typer.Option("--bootstrap", help="The bootstrap service, tcp://HOST:PORT.")],
+    bootstrap: Annotated[
+        str,
+        typer.Option(
+            "--bootstrap",
+            help="The directory: kvstage bootstrap (tcp://HOST:PORT) or etcd (etcd://HOST:PORT[/NAMESPACE]).",
+        ),
+    ],
     prefill: Annotated[
         list[str], typer.Option("--prefill", help="A prefill vLLM server, NAME=URL (NAME as it registered); repeat.")
     ],
