@@ -270,8 +270,8 @@ class EtcdDirectory:
         return sorted(self._current().values(), key=lambda r: r.peer_id)
 
     def close(self) -> None:
-        """Stop the watch. The lease is left to expire: records registered here outlive the client by `lease_s`
-        (an agent hands its record from the client that registered it at start-up to its resolver's)."""
+        """Stop the watch. The lease is left to expire: records registered here and not withdrawn outlive the
+        client by `lease_s`."""
         if self._watch is not None:
             self._watch.stop()
             self._watch = None
@@ -293,7 +293,7 @@ class EtcdDirectory:
             return records
         with self._lock:
             self._mirror = dict(records)
-        self._watch = _Watch(self, revision + 1)
+        self._watch = _Watch(self.where, self.timeout_s, revision + 1, self._apply)
         return records
 
     def _read_prefix(self) -> tuple[int, dict[str, PeerRecord]]:
@@ -370,18 +370,22 @@ class EtcdDirectory:
 
 class _Watch:
     """One watch stream over the directory's prefix from `revision`, on a thread of its own, until it breaks or is
-    stopped. A broken watch is not restarted here: the directory's next lookup reads the prefix and starts another.
+    stopped; `apply` gets the events of each message. A broken watch is not restarted here: the directory's next
+    lookup reads the prefix and starts another.
 
     etcd3gw has a watcher, but a stream that breaks ends its thread silently and a message is read whole whatever its
     size; so the stream is read here, over `http.client`, one bounded line at a time, with TCP keepalive on the
     socket so a peer that vanished without closing is noticed."""
 
-    def __init__(self, directory: EtcdDirectory, revision: int) -> None:
-        self._directory = directory
+    def __init__(
+        self, where: EtcdAddress, timeout_s: float, revision: int, apply: Callable[[list[_Event]], None]
+    ) -> None:
+        self._where = where
         self._revision = revision
+        self._apply = apply
         self._stopped = threading.Event()
         self._ended = threading.Event()
-        self._conn = http.client.HTTPConnection(directory.where.host, directory.where.port, directory.timeout_s)
+        self._conn = http.client.HTTPConnection(where.host, where.port, timeout_s)
         self._thread = threading.Thread(target=self._run, name="kvstage-etcd-watch", daemon=True)
         self._thread.start()
 
@@ -400,7 +404,6 @@ class _Watch:
         self._conn.close()
 
     def _run(self) -> None:
-        where = self._directory.where
         try:
             self._stream()
             reason = "the stream ended"
@@ -409,12 +412,12 @@ class _Watch:
         finally:
             self._ended.set()
         if not self._stopped.is_set():
-            log.warning("%s: watch lost (%s); lookups read etcd again, and wait for it while it is away", where, reason)
+            log.warning("%s: watch lost (%s); lookups read etcd again, and wait for it while it is away", self._where,
+                        reason)  # fmt: skip
 
     def _stream(self) -> None:
-        where = self._directory.where
-        create = {"key": _b64(where.prefix), "range_end": _b64(_prefix_end(where.prefix))}
-        create["start_revision"] = str(self._revision)
+        prefix = self._where.prefix
+        create = {"key": _b64(prefix), "range_end": _b64(_prefix_end(prefix)), "start_revision": str(self._revision)}
         self._conn.request("POST", "/v3/watch", json.dumps({"create_request": create}))
         response = self._conn.getresponse()
         if response.status != 200:
@@ -435,7 +438,7 @@ class _Watch:
             raise TransportError(f"watch error: {message.error}")
         if result.canceled or result.compact_revision:
             raise TransportError(f"watch cancelled ({result.cancel_reason or 'compacted'})")
-        self._directory._apply(result.events)
+        self._apply(result.events)
 
     def _keepalive(self) -> None:
         """TCP keepalive on the stream: an etcd that vanished without closing is noticed within about 11 s."""
