@@ -73,11 +73,21 @@ class EtcdServer:
             return False
 
 
-@pytest.fixture
-def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdServer]:
-    """A fresh etcd server for one test."""
+def _etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdServer]:
     if shutil.which("etcd") is None:
         pytest.skip("etcd is not installed (make test installs Debian's etcd-server)")
     server = EtcdServer(tmp_path_factory.mktemp("etcd") / "data").start()
     yield server
     server.stop()
+
+
+@pytest.fixture
+def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdServer]:
+    """A fresh etcd server for one test, which may stop and start it."""
+    yield from _etcd(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def shared_etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdServer]:
+    """An etcd server for the tests of one module that leave it running (each under a namespace of its own)."""
+    yield from _etcd(tmp_path_factory)

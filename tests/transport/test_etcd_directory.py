@@ -38,9 +38,10 @@ def wait_until(done, what: str, timeout_s: float = 10.0) -> float:
     return time.monotonic() - start
 
 
-def test_registered_ranks_are_found_by_peer_id_and_instance_and_a_newer_session_replaces_an_older_one(etcd):
-    writer = open_directory(etcd.address(), secret=SECRET)
-    reader = open_directory(etcd.address(), secret=SECRET)
+def test_registered_ranks_are_found_by_peer_id_and_instance_and_a_newer_session_replaces_an_older_one(shared_etcd):
+    address = shared_etcd.address("sessions")
+    writer = open_directory(address, secret=SECRET)
+    reader = open_directory(address, secret=SECRET)
     try:
         writer.register(record("P/1", 1, session=5))
         writer.register(record("P/0", 0, session=5))
@@ -59,10 +60,11 @@ def test_registered_ranks_are_found_by_peer_id_and_instance_and_a_newer_session_
         reader.close()
 
 
-def test_a_follower_sees_registrations_and_withdrawals_through_its_watch_and_is_told_of_each(etcd):
+def test_a_follower_sees_registrations_and_withdrawals_through_its_watch_and_is_told_of_each(shared_etcd):
+    address = shared_etcd.address("watch")
     changed = threading.Event()
-    follower = EtcdDirectory(etcd.address(), secret=SECRET, follow=True, on_change=changed.set)
-    writer = open_directory(etcd.address(), secret=SECRET)
+    follower = EtcdDirectory(address, secret=SECRET, follow=True, on_change=changed.set)
+    writer = open_directory(address, secret=SECRET)
     try:
         assert follower.lookup(["D/0"]) == {}  # reads the prefix and starts the watch
         writer.register(record("D/0"))
@@ -77,10 +79,11 @@ def test_a_follower_sees_registrations_and_withdrawals_through_its_watch_and_is_
         follower.close()
 
 
-def test_records_sealed_under_another_secret_or_unsealed_are_refused_and_counted(etcd):
-    stranger = open_directory(etcd.address(), secret=b"o" * 32)
-    plain = open_directory(etcd.address())
-    reader = EtcdDirectory(etcd.address(), secret=SECRET, follow=True)
+def test_records_sealed_under_another_secret_or_unsealed_are_refused_and_counted(shared_etcd):
+    address = shared_etcd.address("sealing")
+    stranger = open_directory(address, secret=b"o" * 32)
+    plain = open_directory(address)
+    reader = EtcdDirectory(address, secret=SECRET, follow=True)
     try:
         stranger.register(record("S/0"))
         plain.register(record("U/0"))
@@ -89,7 +92,7 @@ def test_records_sealed_under_another_secret_or_unsealed_are_refused_and_counted
         plain.register(record("U/1", 1))  # arriving through the watch: refused the same way
         wait_until(lambda: reader.rejected[REJECT_AUTH] == 3, "the unsealed record refused by the follower")
         assert reader.records() == []
-        unsealed_reader = EtcdDirectory(etcd.address())  # without the secret a sealed value does not even decode
+        unsealed_reader = EtcdDirectory(address)  # without the secret a sealed value does not even decode
         assert "S/0" not in unsealed_reader.lookup(["S/0"]) and unsealed_reader.rejected[REJECT_BAD_RECORD] == 1
         unsealed_reader.close()
     finally:
@@ -113,15 +116,15 @@ OWNER = textwrap.dedent(
 )
 
 
-def test_a_killed_owners_record_stays_while_it_renews_and_vanishes_once_its_lease_runs_out(etcd):
+def test_a_killed_owners_record_stays_while_it_renews_and_vanishes_once_its_lease_runs_out(shared_etcd):
     lease_s = 2
-    address = etcd.address(lease_s=lease_s)
+    address = shared_etcd.address("leases", lease_s=lease_s)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), *sys.path]))
     owner = subprocess.Popen([sys.executable, "-c", OWNER, address], stdout=subprocess.PIPE, text=True, env=env)
     follower = EtcdDirectory(address, follow=True)
     try:
         assert owner.stdout is not None and owner.stdout.readline().strip() == "registered"
-        time.sleep(2 * lease_s)  # two leases long: renewed, so still there
+        time.sleep(1.5 * lease_s)  # longer than its lease: renewed, so still there
         assert "K/0" in follower.lookup(["K/0"])
         owner.send_signal(signal.SIGKILL)
         owner.wait(10)
