@@ -40,14 +40,14 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Final, Literal
+from typing import Any, Final, Literal, TypeVar
 from urllib.parse import parse_qs, urlsplit
 
 import etcd3gw
 import msgspec
 from etcd3gw.exceptions import Etcd3Exception
 
-from kvstage.errors import ConfigError, TransportError
+from kvstage.errors import ConfigError, ProtocolError, TransportError
 from kvstage.transport.auth import FrameAuth
 from kvstage.transport.bootstrap import MAX_RECORDS, PeerRecord, Role, wait_for_instance
 
@@ -119,8 +119,8 @@ class _Header(msgspec.Struct):
 
 
 class _KV(msgspec.Struct):
-    key: str
-    value: str = ""
+    key: bytes  # base64 on the wire, decoded by msgspec
+    value: bytes = b""
     mod_revision: int = 0
 
 
@@ -133,6 +133,19 @@ class _RangeReply(msgspec.Struct):
 class _TxnReply(msgspec.Struct):
     header: _Header
     succeeded: bool = False
+
+
+class _LeaseGrant(msgspec.Struct):
+    ID: int
+    TTL: int = 0
+
+
+class _KeepAliveResult(msgspec.Struct):
+    TTL: int = -1  # absent when the lease has expired
+
+
+class _KeepAlive(msgspec.Struct):
+    result: _KeepAliveResult = msgspec.field(default_factory=_KeepAliveResult)
 
 
 class _Event(msgspec.Struct):
@@ -152,6 +165,8 @@ class _WatchMessage(msgspec.Struct):
     result: _WatchResult | None = None
     error: dict[str, Any] | None = None
 
+
+_Reply = TypeVar("_Reply", _RangeReply, _TxnReply, _LeaseGrant, _KeepAlive)
 
 _record_encoder = msgspec.msgpack.Encoder()
 _record_decoder = msgspec.msgpack.Decoder(PeerRecord)
@@ -232,8 +247,7 @@ class EtcdDirectory:
         and register every record of this client again. `TransportError` if etcd does not answer."""
         if self._lease is None or not self._mine or time.monotonic() - self._renewed_at < self.where.lease_s / 3:
             return
-        reply = self._post("/lease/keepalive", {"ID": str(self._lease)})
-        if int(reply.get("result", {}).get("TTL", -1)) > 0:
+        if self._call("/lease/keepalive", {"ID": str(self._lease)}, _KeepAlive).result.TTL > 0:
             self._renewed_at = time.monotonic()
             return
         log.warning("%s: lease %x expired; registering %s again", self.where, self._lease, sorted(self._mine))
@@ -299,13 +313,12 @@ class EtcdDirectory:
     def _read_prefix(self) -> tuple[int, dict[str, PeerRecord]]:
         prefix = self.where.prefix
         body = {"key": _b64(prefix), "range_end": _b64(_prefix_end(prefix)), "limit": MAX_RECORDS}
-        reply = msgspec.convert(self._post("/kv/range", body), _RangeReply, strict=False)
+        reply = self._call("/kv/range", body, _RangeReply)
         if reply.more:
             log.warning("%s: more than %d records under %r; reading the first ones", self.where, MAX_RECORDS, prefix)
         records: dict[str, PeerRecord] = {}
         for kv in reply.kvs:
-            key = base64.b64decode(kv.key)
-            record = self._open(key, base64.b64decode(kv.value))
+            record = self._open(kv.key, kv.value)
             if record is not None:
                 records[record.peer_id] = record
         return reply.header.revision, records
@@ -324,12 +337,12 @@ class EtcdDirectory:
         """The watch thread: apply puts and deletes to the mirror, then tell `on_change`."""
         with self._lock:
             for event in events:
-                key = base64.b64decode(event.kv.key)
+                key = event.kv.key
                 peer_id = key[len(self.where.prefix) :].decode(errors="replace")
                 if event.type == "DELETE":
                     self._mirror.pop(peer_id, None)
                     continue
-                record = self._open(key, base64.b64decode(event.kv.value))
+                record = self._open(key, event.kv.value)
                 if record is None:
                     self._mirror.pop(peer_id, None)
                 elif peer_id in self._mirror or len(self._mirror) < MAX_RECORDS:
@@ -341,31 +354,36 @@ class EtcdDirectory:
 
     def _held(self, key: bytes, peer_id: str) -> tuple[PeerRecord | None, int]:
         """The record under `key` now (None if absent or refused) and the key's mod revision (0: absent)."""
-        reply = msgspec.convert(self._post("/kv/range", {"key": _b64(key)}), _RangeReply, strict=False)
+        reply = self._call("/kv/range", {"key": _b64(key)}, _RangeReply)
         if not reply.kvs:
             return None, 0
         kv = reply.kvs[0]
-        opened = self._seal.open(key, base64.b64decode(kv.value), peer_id)
+        opened = self._seal.open(key, kv.value, peer_id)
         return (None if isinstance(opened, str) else opened), kv.mod_revision
 
     def _swap(self, key: bytes, mod_revision: int, request: dict[str, Any]) -> bool:
         """Run `request` if `key` is still at `mod_revision` (0: still absent); whether it ran."""
         compare = {"key": _b64(key), "target": "MOD", "result": "EQUAL", "mod_revision": mod_revision}
-        reply = self._post("/kv/txn", {"compare": [compare], "success": [request]})
-        return msgspec.convert(reply, _TxnReply, strict=False).succeeded
+        return self._call("/kv/txn", {"compare": [compare], "success": [request]}, _TxnReply).succeeded
 
     def _grant(self) -> int:
-        reply = self._post("/lease/grant", {"TTL": self.where.lease_s, "ID": 0})
-        self._lease = int(reply["ID"])
+        self._lease = self._call("/lease/grant", {"TTL": self.where.lease_s, "ID": 0}, _LeaseGrant).ID
         self._renewed_at = time.monotonic()
         return self._lease
 
-    def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    def _call(self, path: str, body: dict[str, Any], reply_type: type[_Reply]) -> _Reply:
+        """POST `body` to the gateway's `path`; its reply as `reply_type`. `TransportError` if etcd does not answer
+        (or answers an error), `ProtocolError` for a reply that is not what the API says."""
         try:
-            reply: dict[str, Any] = self._client.post(self._client.get_url(path), json=body)
+            reply = self._client.post(self._client.get_url(path), json=body)
         except Etcd3Exception as exc:
             raise TransportError(f"{self.where} did not answer {path}: {exc.detail_text or exc!r}") from exc
-        return reply
+        except ValueError as exc:  # a body that is not JSON
+            raise ProtocolError(f"{self.where} answered {path} with something else than JSON: {exc}") from exc
+        try:
+            return msgspec.convert(reply, reply_type, strict=False)  # the gateway writes int64 as strings
+        except msgspec.MsgspecError as exc:
+            raise ProtocolError(f"{self.where} answered {path} unexpectedly: {exc}") from exc
 
 
 class _Watch:
@@ -407,7 +425,7 @@ class _Watch:
         try:
             self._stream()
             reason = "the stream ended"
-        except (OSError, http.client.HTTPException, msgspec.MsgspecError, TransportError) as exc:
+        except (OSError, ValueError, http.client.HTTPException, msgspec.MsgspecError, TransportError) as exc:
             reason = str(exc) or type(exc).__name__
         finally:
             self._ended.set()
