@@ -47,8 +47,9 @@ class Resolver:
         name: str = "resolver",
     ) -> None:
         self._bootstrap = bootstrap
+        self._wake = threading.Event()  # set by `want`, `close` and the directory's watch: a round runs now
         self._client: Directory = open_directory(
-            bootstrap, timeout_s=timeout_s, secret=secret, follow=True, on_change=self._wake_up
+            bootstrap, timeout_s=timeout_s, secret=secret, follow=True, on_change=self._wake.set
         )
         self._failing = False  # the last round failed (logged once, until a round succeeds)
         self._post = post
@@ -58,7 +59,6 @@ class Resolver:
         self._lock = threading.Lock()
         self._wanted: dict[str, float] = {}  # peer id -> when it was last asked about (monotonic)
         self._seen: dict[str, tuple[int, str]] = {}
-        self._wake = threading.Event()
         self._stop = threading.Event()
         self._own: PeerRecord | None = None
         self._thread = threading.Thread(target=self._run, name=f"kvstage-{name}", daemon=True)
@@ -114,9 +114,6 @@ class Resolver:
             except KVStageError as exc:
                 log.warning("%s: could not withdraw the record of %s: %s", self._bootstrap, own.peer_id, exc)
         self._client.close()
-
-    def _wake_up(self) -> None:
-        self._wake.set()
 
     def _run(self) -> None:
         while not self._stop.is_set():
