@@ -38,12 +38,18 @@ $(STAMP_TEST): pyproject.toml $(STAMP_VLLM) | system-deps
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec
 	touch $@
 
-# Mooncake's transfer engine loads libibverbs at import time, even for TCP.
+# Mooncake's transfer engine loads libibverbs at import time, even for TCP. The tests of the directory on etcd start
+# Debian's etcd server.
 system-deps:
 	@if ! ldconfig -p | grep -q 'libibverbs.so.1'; then \
 		echo "installing libibverbs1 (needed by Mooncake's transfer engine)"; \
 		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 		$$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq libibverbs1; \
+	fi
+	@if ! command -v etcd >/dev/null; then \
+		echo "installing etcd-server (the tests of the directory on etcd start one)"; \
+		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+		$$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq etcd-server; \
 	fi
 
 lint: $(STAMP_TEST)

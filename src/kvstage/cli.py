@@ -51,13 +51,19 @@ def demo(
         Path | None, typer.Option("--work-dir", help="Keep the servers' logs and reports here.")
     ] = None,
     json_output: bool = typer.Option(False, "--json", help="Print the summary as one JSON line at the end."),
+    bootstrap: str = typer.Option(
+        "",
+        "--bootstrap",
+        help="Register with this directory (tcp://HOST:PORT or etcd://HOST:PORT/NAMESPACE) instead of starting a "
+        "kvstage bootstrap.",
+    ),
 ) -> None:
     """Run the end-to-end demo: a vLLM prefill server and a vLLM decode server of different TP sizes behind the
     kvstage router, the tiny local model, every request verified (KV bit-exact, tokens equal to one instance)."""
     if synthetic:
-        from kvstage.demo.synthetic import print_report, run_demo
+        from kvstage.demo.synthetic import DemoConfig, print_report, run_demo
 
-        report = run_demo()
+        report = run_demo(DemoConfig(bootstrap=bootstrap))
         print_report(report)
         if not report.ok:
             raise typer.Exit(code=1)
@@ -78,6 +84,7 @@ def demo(
         shared_prefix_tokens=shared_prefix_tokens,
         max_tokens=max_tokens,
         work_dir=work_dir,
+        bootstrap=bootstrap,
     )
     vllm = run_vllm(options)
     print_summary(vllm, options)
@@ -255,7 +262,13 @@ def bootstrap(
 
 @app.command()
 def router(
-    bootstrap: Annotated[str, typer.Option("--bootstrap", help="The bootstrap service, tcp://HOST:PORT.")],
+    bootstrap: Annotated[
+        str,
+        typer.Option(
+            "--bootstrap",
+            help="The directory: kvstage bootstrap (tcp://HOST:PORT) or etcd (etcd://HOST:PORT/NAMESPACE).",
+        ),
+    ],
     prefill: Annotated[
         list[str], typer.Option("--prefill", help="A prefill vLLM server, NAME=URL (NAME as it registered); repeat.")
     ],
@@ -310,11 +323,17 @@ def router(
 ) -> None:
     """Serve OpenAI-compatible completions through one prefill and one decode vLLM server per request, retrying on
     another decode instance and falling back to decode alone when prefill fails."""
+    from kvstage.errors import ConfigError
     from kvstage.router.app import serve
     from kvstage.router.config import RouterConfig
     from kvstage.router.instances import Instance, Role, parse_instance
+    from kvstage.transport.directory import open_directory
 
     secret = _start_service("router", _zmq_address(host, port), secret_file, insecure)
+    try:
+        open_directory(bootstrap).close()  # a malformed address fails here, not on every lookup
+    except ConfigError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--bootstrap") from exc
 
     def instances(specs: list[str], role: Role, flag: str) -> tuple[Instance, ...]:
         try:

@@ -13,7 +13,7 @@ A phase with `hold_after_first_chunk` computes only each room's first chunk, lea
 `marker` file appears once its first writes have landed); with
 `release` too, its first rooms also schedule their second chunk (so its grant is requested and held), and it
 computes the rest of each of them when the `release` file appears (after the test killed decode, the write of the
-held grant goes to a dead peer).
+held grant goes to a dead peer); with `resume` instead, it computes the rest of every room when that file appears.
 A phase with `cut` (a marker path) and a `release` makes this rank a writer cut off from decode: on the release it
 first stalls its data transport (its transfer threads stop before they start their next write, as in a long pause
 or a congested link), then computes the held rooms, and once a write of them waits in the transport it drops every
@@ -242,7 +242,7 @@ class Worker:
                     self.agent.abort(room)
             if hold and not todo and phase.get("marker") and self.first_chunks_landed(phase):
                 Path(phase["marker"]).touch()  # the rooms are mid-transfer
-            if self.held and Path(phase.get("release", "")).is_file():
+            if self.held and Path(phase.get("release") or phase.get("resume", "")).is_file():
                 if self.control_cut is not None:
                     self.control_cut.stall()
                 self.release_held(open_rooms)
@@ -273,6 +273,8 @@ class Worker:
             scheduled = first
             if release and first < plan.num_tokens and len(self.held) < RELEASED_ROOMS:
                 scheduled = min(plan.num_tokens, first + self.spec["chunk_tokens"])  # its grant is held
+                self.held[plan.room] = [end for end in ends if end > first]
+            elif phase.get("resume") and first < plan.num_tokens:
                 self.held[plan.room] = [end for end in ends if end > first]
             self.agent.compute_scheduled(plan.room, scheduled)
             self.agent.kv_ready(plan.room, first, tuple(pages))

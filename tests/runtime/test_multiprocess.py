@@ -26,11 +26,12 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Protocol
 
 import pytest
 
 from kvstage.layout import heads_of_rank
-from kvstage.transport.bootstrap import BootstrapServer
+from kvstage.transport.bootstrap import BootstrapServer, PeerRecord
 
 WORKER = Path(__file__).with_name("runtime_worker.py")
 LAYOUT = {"num_layers": 2, "num_kv_heads": 4, "head_dim": 16, "dtype": "bfloat16", "page_size": 4}
@@ -48,13 +49,24 @@ def _backend_available(backend: str) -> bool:
     return True
 
 
-class Cluster:
-    """A bootstrap service in this process and worker processes around it."""
+class Directory(Protocol):
+    """Where the workers register: a `BootstrapServer` here, or another directory (test_etcd_rooms.py)."""
 
-    def __init__(self, tmp: Path, backend: str, **overrides: object) -> None:
+    @property
+    def address(self) -> str: ...
+
+    def records(self) -> list[PeerRecord]: ...
+
+    def close(self) -> None: ...
+
+
+class Cluster:
+    """A directory service (by default a bootstrap in this process) and worker processes around it."""
+
+    def __init__(self, tmp: Path, backend: str, directory: Directory | None = None, **overrides: object) -> None:
         self.tmp = tmp
         self.backend = backend
-        self.bootstrap = BootstrapServer().start()
+        self.bootstrap = directory or BootstrapServer().start()
         self.procs: dict[str, subprocess.Popen[str]] = {}
         self.base = {
             "layout": LAYOUT,

@@ -1,7 +1,8 @@
 """`kvstage demo --synthetic`: an end-to-end handoff through the real runtime agents, in one process, with no vLLM
 and no model, and a printed report.
 
-Owns the demo scenario and its report. It starts a `BootstrapServer`, prefill `PrefillAgent`s and decode
+Owns the demo scenario and its report. It starts a `BootstrapServer` (or uses the directory `bootstrap` names, such
+as an etcd), prefill `PrefillAgent`s and decode
 `DecodeAgent`s (default: TP=4 to TP=2, a small llama-like layout) in this process, on the embedded `local`
 backend: control messages go over ZeroMQ sockets, KV bytes through shared-memory staging rings small enough to
 wrap. There is no model: seeded random KV, written into fragmented prefill pools, stands in for the forward pass.
@@ -71,6 +72,7 @@ class DemoConfig:
     requests: tuple[DemoRequest, ...] = DEMO_REQUESTS
     seed: int = 0
     timeout_s: float = 60.0  # room deadline, and how long the demo waits for outcomes
+    bootstrap: str = ""  # the directory to use (tcp:// or etcd://); "" starts a `BootstrapServer` of its own
 
 
 @dataclass
@@ -181,12 +183,17 @@ class _Demo:
             for d in range(config.decode_tp)
         )
         self.report.ring_capacity = int(full * config.ring_chunks)
-        self.bootstrap = BootstrapServer().start()
-        stack.callback(self.bootstrap.close)
+        self.bootstrap = config.bootstrap or self._start_bootstrap(stack)
         self.decode = [self._start(stack, DecodeAgent, "D", r, pool) for r, pool in enumerate(self.decode_pools)]
         self.prefill = [self._start(stack, PrefillAgent, "P", r, pool) for r, pool in enumerate(self.prefill_pools)]
         self.prefill_peers = self.decode[0].connect("P", config.prefill_tp, timeout_s=30)
         self.outcomes: dict[str, dict[int, RoomOutcome]] = {a.peer_id: {} for a in self.agents}
+
+    @staticmethod
+    def _start_bootstrap(stack: ExitStack) -> str:
+        server = BootstrapServer().start()
+        stack.callback(server.close)
+        return server.address
 
     @property
     def agents(self) -> list[BaseAgent]:
@@ -199,7 +206,7 @@ class _Demo:
             rank=rank,
             tp_size=cfg.decode_tp if instance == "D" else cfg.prefill_tp,
             layout=cfg.layout,
-            bootstrap=self.bootstrap.address,
+            bootstrap=self.bootstrap,
             chunk_tokens=cfg.chunk_tokens,
             ring_bytes=self.report.ring_capacity,
             staging_bytes=self.report.ring_capacity,
@@ -435,7 +442,7 @@ def print_report(report: DemoReport, console: Console | None = None) -> None:
         (
             "handoff",
             f"prefill TP={cfg.prefill_tp} -> decode TP={cfg.decode_tp}, chunk {cfg.chunk_tokens} tokens, "
-            "backend local (shared memory), control over ZeroMQ, bootstrap in-process",
+            f"backend local (shared memory), control over ZeroMQ, directory {cfg.bootstrap or 'bootstrap in-process'}",
         ),
         *rooms,
         (

@@ -2,9 +2,9 @@
 instance of different TP sizes, with kvstage moving the KV between them; every request verified twice.
 
 Owns `DemoOptions`, `DemoReport` and `run_demo`, which:
-1. builds the tiny local model once (kvstage.e2e.model) and starts, on the loopback address, `kvstage bootstrap`,
-   a vLLM prefill server (TP = prefill_tp), a vLLM decode server (TP = decode_tp), both with `KVStageConnector`,
-   and the `kvstage router` in front of them;
+1. builds the tiny local model once (kvstage.e2e.model) and starts, on the loopback address, `kvstage bootstrap`
+   (unless `bootstrap` names a directory to use, such as an etcd), a vLLM prefill server (TP = prefill_tp), a vLLM
+   decode server (TP = decode_tp), both with `KVStageConnector`, and the `kvstage router` in front of them;
 2. runs every prompt once on the decode server alone (a single-instance vLLM run: the reference), then clears
    its prefix cache so that the handoff starts cold;
 3. sends every prompt through the router with the `openai` client, streamed, timing the first token;
@@ -54,6 +54,7 @@ class DemoOptions:
     concurrency: int = 4
     seed: int = 1
     work_dir: Path | None = None  # logs and reports; a temporary folder (removed) when None
+    bootstrap: str = ""  # the directory to use (tcp:// or etcd://); "" starts a `kvstage bootstrap` of its own
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,17 +126,15 @@ def run_demo(options: DemoOptions = DemoOptions(), *, quiet: bool = False) -> De
         with stage("building the tiny model (cached after the first run)"):
             model = build_tiny_model(spec)
         logs = work / "logs"
-        bootstrap = start_bootstrap(logs)
-        stack.callback(bootstrap.stop)
-        bootstrap.wait_ready(60.0)
-        servers = _server_specs(options, model, bootstrap.url, reports)
+        directory = options.bootstrap or _start_bootstrap(stack, logs)
+        servers = _server_specs(options, model, directory, reports)
         procs = [start_vllm(s, logs) for s in servers]
         for proc in procs:
             stack.callback(proc.stop)
         with stage(f"starting vLLM prefill (TP={options.prefill_tp}) and decode (TP={options.decode_tp})"):
             for proc in procs:
                 proc.wait_ready(START_TIMEOUT_S)
-        router = start_router(bootstrap.url, [servers[0]], [servers[1]], logs / "router.log")
+        router = start_router(directory, [servers[0]], [servers[1]], logs / "router.log")
         stack.callback(router.stop)
         with stage("starting the router"):
             router.wait_ready(60.0)
@@ -152,6 +151,13 @@ def run_demo(options: DemoOptions = DemoOptions(), *, quiet: bool = False) -> De
             _wait_for_reports(reports, len(prompts), options.decode_tp)
         return _report(spec, reports, reference, answers, elapsed)
     raise AssertionError("unreachable")  # pragma: no cover - ExitStack does not swallow exceptions
+
+
+def _start_bootstrap(stack: contextlib.ExitStack, logs: Path) -> str:
+    bootstrap = start_bootstrap(logs)
+    stack.callback(bootstrap.stop)
+    bootstrap.wait_ready(60.0)
+    return bootstrap.url
 
 
 def _server_specs(options: DemoOptions, model: Path, bootstrap: str, reports: Path) -> tuple[VLLMServerSpec, ...]:

@@ -11,8 +11,9 @@ size; while the bootstrap cannot answer, the size last found is kept) and each o
 The request path (`tp_size`) answers from what is known; for an instance never found, it fails at once while the
 last lookup failed less than `retry_s` ago, else it joins the lookup under way or starts one: one lookup per
 instance at a time (single flight), however many requests wait for it. Each lookup runs in a worker thread with a
-`BootstrapClient` of its own (the client blocks, and is for one thread), bounded by `timeout_s`: the event loop
-never waits on the bootstrap, and one instance's lookup never waits for another's.
+directory client of its own (`kvstage bootstrap` or etcd, transport/directory.py; the client blocks, and is for one
+thread), bounded by `timeout_s`: the event loop never waits on the bootstrap, and one instance's lookup never waits
+for another's.
 
 Invariants: at most one lookup per instance is under way; sizes and failures are kept for configured instances
 only. Called by `router.proxy` and `router.health`.
@@ -32,7 +33,7 @@ import anyio.to_thread
 from anyio.abc import TaskGroup, TaskStatus
 
 from kvstage.errors import KVStageError
-from kvstage.transport.bootstrap import BootstrapClient
+from kvstage.transport.directory import open_directory
 
 Role = Literal["prefill", "decode"]
 
@@ -191,7 +192,7 @@ class TPDirectory:
         self._failed[instance] = (time.monotonic(), result)
 
     def _lookup_blocking(self, instance: Instance) -> int:
-        client = BootstrapClient(self.bootstrap, timeout_s=self._timeout_s, secret=self._secret)
+        client = open_directory(self.bootstrap, timeout_s=self._timeout_s, secret=self._secret)
         try:
             records = client.lookup_instance(instance.name, instance.role)
         except KVStageError as exc:

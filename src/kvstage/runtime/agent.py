@@ -79,7 +79,7 @@ from kvstage.runtime.metrics import AgentMetrics
 from kvstage.runtime.peers import PeerLinks
 from kvstage.runtime.trace import ChunkTrace
 from kvstage.transport.auth import FrameAuth
-from kvstage.transport.bootstrap import BootstrapClient, PeerRecord
+from kvstage.transport.bootstrap import PeerRecord
 from kvstage.transport.control import ControlChannel
 from kvstage.transport.data import (
     DataTransport,
@@ -87,6 +87,7 @@ from kvstage.transport.data import (
     create_transport,
     encode_descriptor,
 )
+from kvstage.transport.directory import Directory, open_directory
 
 log = logging.getLogger(__name__)
 
@@ -170,6 +171,7 @@ class BaseAgent(PeerLinks):
                 auth=None if self.config.secret is None else FrameAuth(self.config.secret),
                 insecure=self.config.insecure,
             ).start()
+            record = self.config.record(self.role, self.channel.address, self.session, descriptors)
             self.resolver = Resolver(
                 self.config.bootstrap,
                 self._events.put,
@@ -179,14 +181,7 @@ class BaseAgent(PeerLinks):
                 secret=self.config.secret,
                 timeout_s=self.config.bootstrap_timeout_s,
                 name=f"{self.peer_id}-resolver",
-            ).start()
-            record = self.config.record(self.role, self.channel.address, self.session, descriptors)
-            client = self._bootstrap_client()
-            try:
-                client.register(record)
-            finally:
-                client.close()
-            self.resolver.publish(record)
+            ).start(record)
         except BaseException:
             self.transport.close()
             raise
@@ -203,14 +198,7 @@ class BaseAgent(PeerLinks):
         self._events.put(_STOP)
         self._thread.join(10)
         self.copier.close()
-        client = self._bootstrap_client(timeout_s=1.0)
-        try:
-            client.unregister(self.peer_id, self.session)
-        except KVStageError as exc:
-            log.warning("%s: could not withdraw the bootstrap record: %s", self.peer_id, exc)
-        finally:
-            client.close()
-        self.resolver.close()
+        self.resolver.close()  # withdraws this rank's record
         self.channel.close()
         self.transport.close()
 
@@ -318,9 +306,10 @@ class BaseAgent(PeerLinks):
 
     # ---- agent thread ------------------------------------------------------------------------------------
 
-    def _bootstrap_client(self, timeout_s: float | None = None) -> BootstrapClient:
-        timeout = self.config.bootstrap_timeout_s if timeout_s is None else timeout_s
-        return BootstrapClient(self.config.bootstrap, timeout_s=timeout, secret=self.config.secret)
+    def _bootstrap_client(self) -> Directory:
+        return open_directory(
+            self.config.bootstrap, timeout_s=self.config.bootstrap_timeout_s, secret=self.config.secret
+        )
 
     def _admit(self, nbytes: int) -> bool:
         """Control I/O thread: room in the inbox for one more decoded frame of `nbytes`? (If so it is reserved, and

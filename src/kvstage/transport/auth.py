@@ -23,8 +23,9 @@ Invariants:
   receiver restarts, are accepted again (docs/security.md says what that allows and what bounds it);
 - no cryptography of our own: HMAC-SHA256 from `hmac`/`hashlib`, randomness from `secrets`.
 
-Called by transport/control.py (every control frame) and transport/bootstrap.py (every request and reply); the
-command line and the vLLM connector call `load_secret`.
+Called by transport/control.py (every control frame), transport/bootstrap.py (every request and reply) and
+transport/etcd.py (every record, sealed under its key, read with `verify`); the command line and the vLLM connector
+call `load_secret`.
 """
 
 from __future__ import annotations
@@ -178,14 +179,22 @@ class FrameAuth:
 
     def open(self, frame: bytes, context: bytes) -> Opened | str:
         """The authentic payload of `frame`, or why it was refused (`REJECT_AUTH` or `REJECT_REPLAY`)."""
+        opened = self.verify(frame, context)
+        if isinstance(opened, str):
+            return opened
+        if not self.replays.accept(opened.session, opened.seq):
+            return REJECT_REPLAY
+        return opened
+
+    def verify(self, frame: bytes, context: bytes) -> Opened | str:
+        """`open` without the replay guard, for a sealed value that is read again and again (a directory record on
+        etcd, transport/etcd.py): the authentic payload of `frame`, or `REJECT_AUTH`."""
         if len(frame) < OVERHEAD or frame[0] != VERSION:
             return REJECT_AUTH
         header, payload, tag = frame[: _HEADER.size], frame[_HEADER.size : -TAG_BYTES], frame[-TAG_BYTES:]
         if not hmac.compare_digest(tag, self._tag(context, header, payload)):
             return REJECT_AUTH
         _, session, seq = _HEADER.unpack(header)
-        if not self.replays.accept(session, seq):
-            return REJECT_REPLAY
         return Opened(payload, session, seq, tag)
 
     def _tag(self, context: bytes, header: bytes, payload: bytes) -> bytes:

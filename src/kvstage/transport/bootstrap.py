@@ -11,7 +11,8 @@ Owns:
   each for `record_ttl_s` after its last registration (agents register again every `REREGISTER_S`, so the record
   of a rank killed without unregistering goes within a minute);
 - `BootstrapClient`: blocking request/reply with a timeout, for one thread (agent start-up and the agents'
-  resolver threads, never an engine's scheduler thread);
+  resolver threads, never an engine's scheduler thread); `renew` registers its records again every `REREGISTER_S`.
+  transport/etcd.py's `EtcdDirectory` offers the same methods over etcd (transport/directory.py picks one by address);
 - `check_compatible`: the rendezvous check that both sides agree on layers, head_dim, dtype, page size and KV
   heads; a mismatch raises `CompatibilityError` naming both values.
 
@@ -30,6 +31,7 @@ import logging
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from typing import Annotated, Final, Literal
 
 import msgspec
@@ -155,6 +157,24 @@ def check_compatible(mine: KVLayout, theirs: PeerRecord, *, me: str = "this rank
                 f"({theirs.instance}, rank {theirs.rank}/{theirs.tp_size}) has {field}={b!r}; "
                 "both sides of a handoff must serve the same model with the same KV cache settings"
             )
+
+
+def wait_for_instance(
+    lookup_instance: Callable[[str, Role], list[PeerRecord]], instance: str, role: Role, tp_size: int, timeout_s: float
+) -> list[PeerRecord]:
+    """Poll `lookup_instance` until all `tp_size` ranks of `instance` are registered; `TransportError` after
+    `timeout_s` naming the ranks seen. Shared by every directory client."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        records = lookup_instance(instance, role)
+        if len(records) == tp_size and [r.rank for r in records] == list(range(tp_size)):
+            return records
+        if time.monotonic() > deadline:
+            raise TransportError(
+                f"bootstrap: {role} instance {instance!r} has ranks {[r.rank for r in records]} "
+                f"registered after {timeout_s}s, expected {tp_size}"
+            )
+        time.sleep(0.05)
 
 
 class BootstrapServer:
@@ -303,12 +323,22 @@ class BootstrapClient:
         self._auth = None if secret is None else FrameAuth(secret)
         self._context = context or zmq.Context.instance()
         self._sock: zmq.Socket[bytes] | None = None
+        self._registered: dict[str, tuple[PeerRecord, float]] = {}  # peer id -> (record, when registered)
 
     def register(self, record: PeerRecord) -> None:
         self._call(_Register(record))
+        self._registered[record.peer_id] = (record, time.monotonic())
+
+    def renew(self) -> None:
+        """Register again each record registered through this client more than `REREGISTER_S` ago (the service
+        lets a record go `RECORD_TTL_S` after its last registration)."""
+        due = [record for record, at in self._registered.values() if time.monotonic() - at > REREGISTER_S]
+        for record in due:
+            self.register(record)
 
     def unregister(self, peer_id: str, session: int) -> None:
         self._call(_Unregister(peer_id, session))
+        self._registered.pop(peer_id, None)
 
     def lookup(self, peer_ids: list[str]) -> dict[str, PeerRecord]:
         """Records of the registered peers among `peer_ids` (absent ones are missing from the result)."""
@@ -320,17 +350,7 @@ class BootstrapClient:
 
     def wait_for_instance(self, instance: str, role: Role, tp_size: int, timeout_s: float) -> list[PeerRecord]:
         """Poll until all `tp_size` ranks of `instance` are registered; `TransportError` after `timeout_s`."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            records = self.lookup_instance(instance, role)
-            if len(records) == tp_size and [r.rank for r in records] == list(range(tp_size)):
-                return records
-            if time.monotonic() > deadline:
-                raise TransportError(
-                    f"bootstrap: {role} instance {instance!r} has ranks {[r.rank for r in records]} "
-                    f"registered after {timeout_s}s, expected {tp_size}"
-                )
-            time.sleep(0.05)
+        return wait_for_instance(self.lookup_instance, instance, role, tp_size, timeout_s)
 
     def close(self) -> None:
         if self._sock is not None:

@@ -23,7 +23,8 @@ class ConnectorSettings:
     """One vLLM instance's kvstage settings (the same on every rank of the instance).
 
     - `instance`: this instance's name; the router and the peer instance address it by this name.
-    - `bootstrap`: the rendezvous service every rank registers with (`kvstage bootstrap`).
+    - `bootstrap`: the directory every rank registers with: `kvstage bootstrap` (`tcp://HOST:PORT`) or etcd
+      (`etcd://HOST:PORT[/NAMESPACE][?lease_s=N]`, docs/transports.md).
     - `backend`: the data transport, "local" (same host), "mooncake" or "nixl".
     - `host`: the address peers reach this instance's ranks at (control plane and transport).
     - `chunk_tokens`: the staging grid; 0 picks the smallest multiple of the block size that is at least 256.
