@@ -35,8 +35,8 @@ from starlette.routing import Route
 from kvstage.layout import KVLayout
 from kvstage.router.app import create_app
 from kvstage.router.config import RouterConfig
+from kvstage.router.core import Router
 from kvstage.router.instances import Instance, Role
-from kvstage.router.proxy import Router
 from kvstage.transport.bootstrap import BootstrapClient, BootstrapServer, LayoutRecord, PeerRecord
 
 BODY = {"model": "m", "prompt": "hello there", "max_tokens": 16, "temperature": 0.0}

@@ -60,6 +60,8 @@ class AgentConfig:
     #: How long one bootstrap request (lookup or registration) may take before it is retried. On a starved host a
     #: short timeout makes every lookup fail in a loop while sends to unresolved peers wait.
     bootstrap_timeout_s: float = 5.0
+    #: The instance's OpenAI base URL, published in the record for routers that discover instances ("": none).
+    url: str = ""
 
     def __post_init__(self) -> None:
         if not self.bootstrap_timeout_s > 0:
@@ -102,6 +104,7 @@ class AgentConfig:
                 max_write_s=self.timing.max_write_s,
                 clock_drift=self.timing.clock_drift,
             ),
+            url=self.url,
         )
 
 
