@@ -133,12 +133,15 @@ class FakeVLLM:
         self.gone: list[int] = []  # rooms whose client went away before the answer ended
         self.sent_chunks = 0
         self.open = 0  # requests being answered now
+        self.waiting = 0.0  # what its /metrics says of vLLM's waiting queue
+        self.external_tokens = 0.0  # ... and of the prompt tokens its connector loaded
         app = Starlette(
             routes=[
                 Route("/v1/completions", self._complete, methods=["POST"]),
                 Route("/v1/chat/completions", self._complete, methods=["POST"]),
                 Route("/v1/models", self._models, methods=["GET"]),
                 Route("/health", self._health, methods=["GET"]),
+                Route("/metrics", self._metrics, methods=["GET"]),
             ]
         )
         self.served = ServedApp(app)
@@ -150,6 +153,17 @@ class FakeVLLM:
 
     async def _health(self, request: Request) -> Response:
         return Response(status_code=200 if self.healthy else 503)
+
+    async def _metrics(self, request: Request) -> Response:
+        """A few lines of vLLM's Prometheus exposition."""
+        text = (
+            "# TYPE vllm:num_requests_waiting gauge\n"
+            f'vllm:num_requests_waiting{{engine="0",model_name="m"}} {self.waiting}\n'
+            "# TYPE vllm:prompt_tokens_by_source counter\n"
+            f'vllm:prompt_tokens_by_source_total{{engine="0",source="external_kv_transfer"}} {self.external_tokens}\n'
+            f'vllm:prompt_tokens_by_source_total{{engine="0",source="local_compute"}} 99.0\n'
+        )
+        return Response(text, media_type="text/plain; version=0.0.4")
 
     async def _models(self, request: Request) -> Response:
         model = {"id": f"model-of-{self.name}", "object": "model", "created": 1, "owned_by": "fake"}
@@ -259,7 +273,7 @@ def _sse(payload: dict[str, Any]) -> bytes:
     return f"data: {json.dumps(payload)}\n\n".encode()
 
 
-def peer_record(instance: str, role: Role, tp: int, rank: int, session: int = 1) -> PeerRecord:
+def peer_record(instance: str, role: Role, tp: int, rank: int, session: int = 1, url: str = "") -> PeerRecord:
     return PeerRecord(
         peer_id=f"{instance}-{rank}",
         role=role,
@@ -270,6 +284,7 @@ def peer_record(instance: str, role: Role, tp: int, rank: int, session: int = 1)
         control_address=f"tcp://127.0.0.1:{6000 + rank}",
         backend="local",
         session=session,
+        url=url,
     )
 
 
