@@ -92,10 +92,12 @@ class Router:
             timeout=httpx.Timeout(
                 config.read_timeout_s, connect=config.connect_timeout_s, pool=config.connect_timeout_s
             ),
-            limits=httpx.Limits(max_connections=2 * config.max_concurrent + 64, max_keepalive_connections=64),
+            limits=httpx.Limits(max_connections=2 * config.max_concurrent, max_keepalive_connections=64),
         )
+        # Probes have a client of their own: a router at its concurrency cap still probes every instance.
+        self._probe_client = httpx.AsyncClient(timeout=config.health_timeout_s)
         self.prober = Prober(
-            self.client,
+            self._probe_client,
             (self.prefill, self.decode),
             interval_s=config.probe_interval_s,
             timeout_s=config.health_timeout_s,
@@ -128,6 +130,7 @@ class Router:
 
     async def aclose(self) -> None:
         await self.client.aclose()
+        await self._probe_client.aclose()
 
     # ---- membership -------------------------------------------------------------------------------------------
 
