@@ -21,7 +21,7 @@ import socket
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -374,10 +374,10 @@ class _Records(logging.Handler):
 
 
 @contextmanager
-def logged_errors() -> Iterator[list[logging.LogRecord]]:
-    """The ERROR records of uvicorn's servers and of the router while the block runs. Start the servers first:
-    a uvicorn server that starts configures uvicorn's loggers anew, which drops this handler."""
-    handler = _Records(logging.ERROR)
+def logged(level: int) -> Iterator[list[logging.LogRecord]]:
+    """The records at `level` and above of uvicorn's servers and of the router while the block runs. Start the
+    servers first: a uvicorn server that starts configures uvicorn's loggers anew, which drops this handler."""
+    handler = _Records(level)
     loggers = [logging.getLogger("uvicorn.error"), logging.getLogger("kvstage.router")]
     for logger in loggers:
         logger.addHandler(handler)
@@ -386,3 +386,8 @@ def logged_errors() -> Iterator[list[logging.LogRecord]]:
     finally:
         for logger in loggers:
             logger.removeHandler(handler)
+
+
+def logged_errors() -> AbstractContextManager[list[logging.LogRecord]]:
+    """The ERROR records (`logged`)."""
+    return logged(logging.ERROR)

@@ -3,14 +3,15 @@ real bootstrap: discovery (instances join and leave at runtime), load, prefix af
 
 from __future__ import annotations
 
+import logging
 import threading
 
 import httpx
 
-from conftest import BODY, peer_record, wait_until
+from conftest import BODY, logged, peer_record, wait_until
 from kvstage.transport.bootstrap import BootstrapClient
 
-FAST = {"probe_interval_s": 0.2, "discover_poll_s": 0.1}
+FAST = {"probe_interval_s": 0.2, "discover_poll_s": 0.1, "bootstrap_timeout_s": 0.5}
 
 
 def post(url: str, body: dict | None = None) -> httpx.Response:
@@ -120,3 +121,16 @@ def test_the_router_counts_per_decode_instance_routed_requests_first_tokens_erro
     assert httpx.post(router.url + "/v1/completions", json=BODY, timeout=10).status_code == 502
     errors = router.metric("kvstage_router_upstream_errors_total", role="decode", instance="D0", reason="http_5xx")
     assert errors == 1
+
+
+def test_while_the_bootstrap_is_down_discovered_instances_keep_serving(bootstrap, upstreams, start_router) -> None:
+    router = start_router([], [], discover=True, **FAST)
+    prefill, decode = upstreams("PX", "prefill"), upstreams("DX", "decode")
+    register(bootstrap, prefill).close()
+    register(bootstrap, decode).close()
+    wait_until(lambda: httpx.get(router.url + "/health").status_code == 200, "DX to be discovered and probed")
+    bootstrap.close()
+    with logged(logging.WARNING) as warnings:
+        wait_until(lambda: any("does not answer" in r.getMessage() for r in warnings), "the warning", 15.0)
+    post(router.url)
+    assert len(decode.received) == 1
