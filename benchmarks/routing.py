@@ -8,8 +8,11 @@ one after the other (the order alternates from run to run), every prefix cache e
 
 - prefix: `--prefixes` shared prefixes of `--prefix-tokens` tokens, `--per-prefix` requests each (a prefix and a
   distinct tail of `--tail-tokens`), in one seeded random order, `--concurrency` at a time, `--max-tokens` each;
-- load: `--load-requests` prompts of `--load-tokens` random tokens, `--load-max-tokens` tokens each (ignore_eos),
-  `--load-concurrency` at a time.
+- load: `--load-requests` prompts of `--load-tokens` random tokens, `--load-max-tokens` tokens each, or
+  `--load-long-max-tokens` for a `--load-long-share` of them (all ignore_eos), `--load-concurrency` at a time.
+
+Each run draws new prompts (from `--seed` and the run's number), the same for both routers of the run: the prefix
+router's index never knows a run's prefixes before it starts, as the decodes' emptied caches do not.
 
 Per run and router it measures TTFT per request (arrival of the first streamed token at the client), and the KV
 bytes kvstage moved: the decodes' `vllm:prompt_tokens_by_source{source="external_kv_transfer"}` before and after,
@@ -32,6 +35,7 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -63,7 +67,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--load-requests", type=int, default=48)
     parser.add_argument("--load-tokens", type=int, default=256)
-    parser.add_argument("--load-max-tokens", type=int, default=64)
+    parser.add_argument("--load-max-tokens", type=int, default=16)
+    parser.add_argument("--load-long-max-tokens", type=int, default=256)
+    parser.add_argument("--load-long-share", type=float, default=0.25)
     parser.add_argument("--load-concurrency", type=int, default=6)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--out", type=Path, default=None, help="write the summary here as JSON")
@@ -88,8 +94,8 @@ class Sample:
     seconds: float
 
 
-def prefix_workload(args: argparse.Namespace, vocab: int) -> list[Request]:
-    rng = random.Random(args.seed)
+def prefix_workload(args: argparse.Namespace, vocab: int, run: int) -> list[Request]:
+    rng = random.Random(f"prefix {args.seed} {run}")
     prefixes = [[rng.randrange(2, vocab) for _ in range(args.prefix_tokens)] for _ in range(args.prefixes)]
     requests = [
         Request([*prefix, *(rng.randrange(2, vocab) for _ in range(args.tail_tokens))], args.max_tokens)
@@ -100,10 +106,13 @@ def prefix_workload(args: argparse.Namespace, vocab: int) -> list[Request]:
     return requests
 
 
-def load_workload(args: argparse.Namespace, vocab: int) -> list[Request]:
-    rng = random.Random(args.seed + 1)
+def load_workload(args: argparse.Namespace, vocab: int, run: int) -> list[Request]:
+    rng = random.Random(f"load {args.seed} {run}")
     return [
-        Request([rng.randrange(2, vocab) for _ in range(args.load_tokens)], args.load_max_tokens)
+        Request(
+            [rng.randrange(2, vocab) for _ in range(args.load_tokens)],
+            args.load_long_max_tokens if rng.random() < args.load_long_share else args.load_max_tokens,
+        )
         for _ in range(args.load_requests)
     ]
 
@@ -230,7 +239,7 @@ def experiment(
     routers: dict[str, str],
     servers: list[str],
     decodes: list[str],
-    requests: list[Request],
+    workload: Callable[[int], list[Request]],
     concurrency: int,
     runs: int,
     token_bytes: int,
@@ -239,6 +248,7 @@ def experiment(
     samples: dict[str, list[Sample]] = {policy: [] for policy in routers}
     for run in range(runs):
         order = list(routers) if run % 2 == 0 else list(reversed(routers))
+        requests = workload(run)  # new prompts every run: no router starts a run knowing them
         for policy in order:
             sample = run_once(
                 routers[policy], servers, decodes, requests, concurrency=concurrency, token_bytes=token_bytes
@@ -297,7 +307,7 @@ def main() -> None:
                     c["routers"]["prefix"],
                     [urls["P"], urls["DA"], urls["DB"]],
                     [urls["DA"], urls["DB"]],
-                    prefix_workload(args, vocab),
+                    partial(prefix_workload, args, vocab),
                     args.concurrency,
                     args.runs,
                     c["token_bytes"],
@@ -308,7 +318,7 @@ def main() -> None:
                     c["routers"]["load"],
                     [urls["P"], urls["DA"], urls["DC"]],
                     [urls["DA"], urls["DC"]],
-                    load_workload(args, vocab),
+                    partial(load_workload, args, vocab),
                     args.load_concurrency,
                     args.runs,
                     c["token_bytes"],

@@ -276,8 +276,9 @@ def router(
         128, "--block-tokens", min=1, help="Prefix policy: tokens per prompt block (vLLM's block size)."
     ),
     prefix_balance: float = typer.Option(
-        1.25, "--prefix-balance", min=1.0, help="Prefix policy: no decode takes more than this times the mean load."
+        1.25, "--prefix-balance", min=1.0, help="Prefix policy: no decode takes more than this times the mean load..."
     ),
+    prefix_slack: int = typer.Option(4, "--prefix-slack", min=0, help="... plus this many requests."),
     host: str = typer.Option("127.0.0.1", "--host", help=_HOST_HELP),
     port: int = typer.Option(8000, "--port", min=1, max=65535, help="Port to bind."),
     max_concurrent: int = typer.Option(256, "--max-concurrent", min=1, help="Requests in flight; more get 429."),
@@ -352,6 +353,7 @@ def router(
         policy=policy,
         prefix_block_tokens=block_tokens,
         prefix_balance=prefix_balance,
+        prefix_slack=prefix_slack,
         max_concurrent=max_concurrent,
         max_body_bytes=max_body_bytes,
         connect_timeout_s=connect_timeout,

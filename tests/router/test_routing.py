@@ -91,7 +91,9 @@ def test_the_prefix_policy_keeps_a_prefix_on_one_decode_and_skips_prefill_when_i
 def test_a_hot_prefix_spreads_over_decodes_once_its_decode_holds_more_than_its_share(upstreams, start_router) -> None:
     prefill = upstreams("P0", "prefill")
     d0, d1 = upstreams("D0", "decode"), upstreams("D1", "decode")
-    router = start_router([prefill.instance], [d0.instance, d1.instance], policy="prefix", prefix_block_tokens=4)
+    router = start_router(
+        [prefill.instance], [d0.instance, d1.instance], policy="prefix", prefix_block_tokens=4, prefix_slack=0
+    )
     d0.delay_s = d1.delay_s = 1.0
     threads = [threading.Thread(target=post, args=(router.url, {**BODY, "prompt": [*range(16), t]})) for t in range(6)]
     for t in threads:

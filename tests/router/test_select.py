@@ -7,6 +7,7 @@ from kvstage.router.select import (
     BYTES_PER_TOKEN,
     Candidate,
     HashRing,
+    LoadBound,
     PrefixIndex,
     by_prefix,
     least_loaded,
@@ -67,11 +68,13 @@ def test_bounded_loads_prefer_the_holder_until_it_is_over_its_share_then_the_rin
     key = b"k"
     holder = Candidate(D1, load=1, held=3)
     other = Candidate(D0, load=1, held=0)
-    assert by_prefix([other, holder], key, ring, balance=1.25).instance == D1
+    strict = LoadBound(1.25, slack=0)
+    assert by_prefix([other, holder], key, ring, strict).instance == D1
     busy = Candidate(D1, load=4, held=3)  # cap: ceil(1.25 * 6 / 2) = 4, and 4 + 1 > 4
-    assert by_prefix([other, busy], key, ring, balance=1.25).instance == D0
+    assert by_prefix([other, busy], key, ring, strict).instance == D0
+    assert by_prefix([other, busy], key, ring, LoadBound(1.25, slack=1)).instance == D1  # 4 + 1 <= 4 + 1
     cold = [Candidate(D0, 0), Candidate(D1, 0)]
-    assert by_prefix(cold, key, ring, 1.25).instance.name == ring.order(key)[0]
-    assert by_prefix([Candidate(D0, 2), Candidate(D1, 1)], None, ring, 1.25).instance == D1  # no key: least load
+    assert by_prefix(cold, key, ring, strict).instance.name == ring.order(key)[0]
+    assert by_prefix([Candidate(D0, 2), Candidate(D1, 1)], None, ring, strict).instance == D1  # no key: least load
     assert least_loaded([Candidate(D0, 1), Candidate(D1, 1), Candidate(D2, 0.5)]).instance == D2
     assert least_loaded([Candidate(D1, 1), Candidate(D0, 1)]).instance == D1  # equals: the first in turn

@@ -37,13 +37,16 @@ class RouterConfig:
     discover_poll_s: float = 1.0  # how often the bootstrap is asked for changes
     policy: str = "round_robin"  # router.select.POLICIES
     prefix_block_tokens: int = 128  # prefix policy: tokens per block (vLLM's block size)
-    prefix_balance: float = 1.25  # prefix policy: no decode takes more than this times the average load
+    prefix_balance: float = 1.25  # prefix policy: no decode takes more than this times the average load ...
+    prefix_slack: int = 4  # ... plus this many requests
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
-        if self.prefix_block_tokens < 1 or not self.prefix_balance >= 1.0:
-            raise ValueError("prefix_block_tokens must be positive and prefix_balance at least 1")
+        if self.prefix_block_tokens < 1 or not self.prefix_balance >= 1.0 or self.prefix_slack < 0:
+            raise ValueError(
+                "prefix_block_tokens must be positive, prefix_balance at least 1, prefix_slack not negative"
+            )
         if not (self.discover or (self.prefill and self.decode)):
             raise ValueError("without discovery, at least one prefill and one decode instance are needed")
 

@@ -32,7 +32,7 @@ from kvstage.router.discovery import Discovery
 from kvstage.router.health import Pool, Prober
 from kvstage.router.instances import Instance, Role, TPDirectory
 from kvstage.router.metrics import RouterMetrics
-from kvstage.router.select import PrefixIndex, PromptBlocks, by_prefix, first_in_turn, least_loaded
+from kvstage.router.select import LoadBound, PrefixIndex, PromptBlocks, by_prefix, first_in_turn, least_loaded
 from kvstage.router.upstream import (
     JSONBody,
     UpstreamFailure,
@@ -199,7 +199,8 @@ class Router:
             held[instance] = self.prefixes.held(instance, blocks)
             return held[instance]
 
-        choose_prefix = partial(by_prefix, key=blocks.key, ring=self.decode.ring, balance=self.config.prefix_balance)
+        bound = LoadBound(self.config.prefix_balance, self.config.prefix_slack)
+        choose_prefix = partial(by_prefix, key=blocks.key, ring=self.decode.ring, bound=bound)
         decode = self._picked(self.decode.pick(exclude, self.usable, choose_prefix, holds))
         if decode is None:
             return None

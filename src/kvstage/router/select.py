@@ -13,10 +13,11 @@ Owns:
   from any router and the mapping moves little when instances join or leave;
 - `PrefixIndex`: per instance, the block hashes the router has seen it serve, least recently used out first,
   at most `per_instance` each; the router's estimate of that instance's prefix cache (vLLM may have evicted);
-- `least_loaded` and `by_prefix`: the choices. `by_prefix` is consistent hashing with bounded loads: only an
-  instance whose load stays within `ceil(balance * (total load + 1) / n)` with this request may take it, so one
-  hot prefix cannot pile onto one decode; among those, the most blocks held wins, then ring order from the
-  prompt's first block, then least load.
+- `LoadBound`, `least_loaded` and `by_prefix`: the choices. `by_prefix` is consistent hashing with bounded
+  loads: only an instance whose load stays within `ceil(balance * (total load + 1) / n) + slack` with this
+  request may take it, so one hot prefix cannot pile onto one decode (the slack, a few requests, keeps the bound
+  from splitting prefixes at low load, where one request more is no overload); among those, the most blocks held
+  wins, then ring order from the prompt's first block, then least load.
 
 Invariants: pure and deterministic (no clock, no I/O); the index is bounded in entries per instance and forgets
 an instance that leaves. Called by `router.health` (the pools) and `router.proxy`.
@@ -172,10 +173,20 @@ def least_loaded(candidates: Sequence[Candidate]) -> Candidate:
     return min(candidates, key=lambda c: c.load)
 
 
-def by_prefix(candidates: Sequence[Candidate], key: bytes | None, ring: HashRing, balance: float) -> Candidate:
+@dataclass(frozen=True, slots=True)
+class LoadBound:
+    """The most load an instance may have with one request more: `balance` times the mean, plus `slack`."""
+
+    balance: float = 1.25
+    slack: int = 4
+
+    def cap(self, total: float, instances: int) -> float:
+        return math.ceil(self.balance * (total + 1) / instances) + self.slack
+
+
+def by_prefix(candidates: Sequence[Candidate], key: bytes | None, ring: HashRing, bound: LoadBound) -> Candidate:
     """Bounded-load consistent hashing, preferring the candidates that hold more of the prompt (module doc)."""
-    total = sum(c.load for c in candidates)
-    cap = math.ceil(balance * (total + 1) / len(candidates))
+    cap = bound.cap(sum(c.load for c in candidates), len(candidates))
     within = [c for c in candidates if c.load + 1 <= cap]
     if not within:
         return least_loaded(candidates)
