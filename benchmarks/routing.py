@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import signal
 import statistics
 import tempfile
 import time
@@ -292,8 +293,13 @@ def table(name: str, result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _exit_on_sigterm(signum: int, _frame: object) -> None:
+    raise SystemExit(128 + signum)  # unwinds the ExitStack: every server started is stopped
+
+
 def main() -> None:
     args = parse_args()
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     say = lambda line: print(line, flush=True)  # noqa: E731
     with ExitStack() as stack:
         work = args.work_dir or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvstage-routing-")))
