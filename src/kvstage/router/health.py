@@ -1,18 +1,20 @@
-"""Which upstream instances may take a request: a circuit breaker per instance, an active `/health` probe, and
-round-robin selection among the instances that pass both.
+"""Which upstream instances may take a request: a circuit breaker per instance, an active `/health` probe, each
+instance's load, and the choice among the instances that pass both.
 
 Owns:
 - `Breaker`: one instance's circuit breaker. Closed, it lets every request through and counts failures in a row;
   `failures_to_open` of them open it; open, it lets nothing through until `cooldown_s` has passed, then one trial
   request (half-open); the trial's success closes it, its failure opens it for another cooldown, and a trial that
   brings no verdict within a cooldown (cancelled, say) lets the next one through;
-- `Pool`: the instances of one role, their breakers and probe results; `pick` hands out the next instance in turn
-  that is not excluded, not down by its probe, allowed by its breaker and usable (the caller's check: its TP size
-  lookup has not just failed); `succeeded` / `failed` are the passive verdicts of the requests (only failures
+- `Pool`: the instances of one role (they may join and leave: `update`), their breakers, probe results and loads
+  (`busy`: this router's requests open at each; `scraped`: vLLM's waiting queue); `pick` hands the candidates that
+  are not excluded, not down by their probe, allowed by their breaker and usable (the caller's check: its TP size
+  lookup has not just failed), in turn from the one after the last pick, to a policy (`router.select`), round
+  robin by default; an instance that joins takes nothing until its first probe succeeds; `succeeded` / `failed` are the passive verdicts of the requests (only failures
   that blame the instance count: connect errors, timeouts, broken connections, 5xx; a refused request is the
   request's fault, and proves the instance answers);
-- `Prober`: the active check, every instance's `GET /health` every `interval_s` in the background; a failed probe
-  takes the instance out of selection until a probe succeeds.
+- `Prober`: the active check, every instance's `GET /health` every `interval_s` in the background, then its
+  `/metrics` (bounded); a failed probe takes the instance out of selection until a probe succeeds.
 
 Why not a library (aiobreaker, purgatory): both guard a call (a decorator or a context manager whose block's
 exception is the failure). The router needs another shape: selection asks each instance "may you take a request
