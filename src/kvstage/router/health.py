@@ -10,9 +10,9 @@ Owns:
   (`busy`: this router's requests open at each; `scraped`: vLLM's waiting queue); `pick` hands the candidates that
   are not excluded, not down by their probe, allowed by their breaker and usable (the caller's check: its TP size
   lookup has not just failed), in turn from the one after the last pick, to a policy (`router.select`), round
-  robin by default; an instance that joins takes nothing until its first probe succeeds; `succeeded` / `failed` are the passive verdicts of the requests (only failures
-  that blame the instance count: connect errors, timeouts, broken connections, 5xx; a refused request is the
-  request's fault, and proves the instance answers);
+  robin by default; an instance that joins takes nothing until its first probe succeeds; `succeeded` / `failed`
+  are the passive verdicts of the requests (only failures that blame the instance count: connect errors,
+  timeouts, broken connections, 5xx; a refused request is the request's fault, and proves the instance answers);
 - `Prober`: the active check, every instance's `GET /health` every `interval_s` in the background, then its
   `/metrics` (bounded); a failed probe takes the instance out of selection until a probe succeeds.
 
