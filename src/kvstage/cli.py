@@ -270,11 +270,28 @@ def router(
         ),
     ],
     prefill: Annotated[
-        list[str], typer.Option("--prefill", help="A prefill vLLM server, NAME=URL (NAME as it registered); repeat.")
-    ],
+        list[str] | None,
+        typer.Option("--prefill", help="A prefill vLLM server, NAME=URL (NAME as it registered); repeat."),
+    ] = None,
     decode: Annotated[
-        list[str], typer.Option("--decode", help="A decode vLLM server, NAME=URL (NAME as it registered); repeat.")
-    ],
+        list[str] | None,
+        typer.Option("--decode", help="A decode vLLM server, NAME=URL (NAME as it registered); repeat."),
+    ] = None,
+    discover: bool = typer.Option(
+        False,
+        "--discover",
+        help="Also route to every instance registered with the bootstrap that publishes its URL, as they come and go.",
+    ),
+    policy: str = typer.Option(
+        "round_robin", "--policy", help="How instances are chosen: round_robin, load (least load) or prefix."
+    ),
+    block_tokens: int = typer.Option(
+        128, "--block-tokens", min=1, help="Prefix policy: tokens per prompt block (vLLM's block size)."
+    ),
+    prefix_balance: float = typer.Option(
+        1.25, "--prefix-balance", min=1.0, help="Prefix policy: no decode takes more than this times the mean load..."
+    ),
+    prefix_slack: int = typer.Option(4, "--prefix-slack", min=0, help="... plus this many requests."),
     host: str = typer.Option("127.0.0.1", "--host", help=_HOST_HELP),
     port: int = typer.Option(8000, "--port", min=1, max=65535, help="Port to bind."),
     max_concurrent: int = typer.Option(256, "--max-concurrent", min=1, help="Requests in flight; more get 429."),
@@ -322,11 +339,13 @@ def router(
     insecure: bool = typer.Option(False, "--insecure", help=_INSECURE_HELP),
 ) -> None:
     """Serve OpenAI-compatible completions through one prefill and one decode vLLM server per request, retrying on
-    another decode instance and falling back to decode alone when prefill fails."""
+    another decode instance and falling back to decode alone when prefill fails. Instances are given with --prefill
+    and --decode, found at runtime with --discover, or both."""
     from kvstage.errors import ConfigError
     from kvstage.router.app import serve
     from kvstage.router.config import RouterConfig
     from kvstage.router.instances import Instance, Role, parse_instance
+    from kvstage.router.select import POLICIES
     from kvstage.transport.directory import open_directory
 
     secret = _start_service("router", _zmq_address(host, port), secret_file, insecure)
@@ -341,10 +360,19 @@ def router(
         except ValueError as exc:
             raise typer.BadParameter(str(exc), param_hint=flag) from exc
 
+    if policy not in POLICIES:
+        raise typer.BadParameter(f"expected one of {', '.join(POLICIES)}, got {policy!r}", param_hint="--policy")
+    if not discover and not (prefill and decode):
+        raise typer.BadParameter("give --prefill and --decode instances, or --discover", param_hint="--discover")
     config = RouterConfig(
         bootstrap=bootstrap,
-        prefill=instances(prefill, "prefill", "--prefill"),
-        decode=instances(decode, "decode", "--decode"),
+        prefill=instances(prefill or [], "prefill", "--prefill"),
+        decode=instances(decode or [], "decode", "--decode"),
+        discover=discover,
+        policy=policy,
+        prefix_block_tokens=block_tokens,
+        prefix_balance=prefix_balance,
+        prefix_slack=prefix_slack,
         max_concurrent=max_concurrent,
         max_body_bytes=max_body_bytes,
         connect_timeout_s=connect_timeout,

@@ -21,7 +21,7 @@ import socket
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,8 +35,8 @@ from starlette.routing import Route
 from kvstage.layout import KVLayout
 from kvstage.router.app import create_app
 from kvstage.router.config import RouterConfig
+from kvstage.router.core import Router
 from kvstage.router.instances import Instance, Role
-from kvstage.router.proxy import Router
 from kvstage.transport.bootstrap import BootstrapClient, BootstrapServer, LayoutRecord, PeerRecord
 
 BODY = {"model": "m", "prompt": "hello there", "max_tokens": 16, "temperature": 0.0}
@@ -133,12 +133,15 @@ class FakeVLLM:
         self.gone: list[int] = []  # rooms whose client went away before the answer ended
         self.sent_chunks = 0
         self.open = 0  # requests being answered now
+        self.waiting = 0.0  # what its /metrics says of vLLM's waiting queue
+        self.external_tokens = 0.0  # ... and of the prompt tokens its connector loaded
         app = Starlette(
             routes=[
                 Route("/v1/completions", self._complete, methods=["POST"]),
                 Route("/v1/chat/completions", self._complete, methods=["POST"]),
                 Route("/v1/models", self._models, methods=["GET"]),
                 Route("/health", self._health, methods=["GET"]),
+                Route("/metrics", self._metrics, methods=["GET"]),
             ]
         )
         self.served = ServedApp(app)
@@ -150,6 +153,17 @@ class FakeVLLM:
 
     async def _health(self, request: Request) -> Response:
         return Response(status_code=200 if self.healthy else 503)
+
+    async def _metrics(self, request: Request) -> Response:
+        """A few lines of vLLM's Prometheus exposition."""
+        text = (
+            "# TYPE vllm:num_requests_waiting gauge\n"
+            f'vllm:num_requests_waiting{{engine="0",model_name="m"}} {self.waiting}\n'
+            "# TYPE vllm:prompt_tokens_by_source counter\n"
+            f'vllm:prompt_tokens_by_source_total{{engine="0",source="external_kv_transfer"}} {self.external_tokens}\n'
+            f'vllm:prompt_tokens_by_source_total{{engine="0",source="local_compute"}} 99.0\n'
+        )
+        return Response(text, media_type="text/plain; version=0.0.4")
 
     async def _models(self, request: Request) -> Response:
         model = {"id": f"model-of-{self.name}", "object": "model", "created": 1, "owned_by": "fake"}
@@ -259,7 +273,7 @@ def _sse(payload: dict[str, Any]) -> bytes:
     return f"data: {json.dumps(payload)}\n\n".encode()
 
 
-def peer_record(instance: str, role: Role, tp: int, rank: int, session: int = 1) -> PeerRecord:
+def peer_record(instance: str, role: Role, tp: int, rank: int, session: int = 1, url: str = "") -> PeerRecord:
     return PeerRecord(
         peer_id=f"{instance}-{rank}",
         role=role,
@@ -270,6 +284,7 @@ def peer_record(instance: str, role: Role, tp: int, rank: int, session: int = 1)
         control_address=f"tcp://127.0.0.1:{6000 + rank}",
         backend="local",
         session=session,
+        url=url,
     )
 
 
@@ -359,10 +374,10 @@ class _Records(logging.Handler):
 
 
 @contextmanager
-def logged_errors() -> Iterator[list[logging.LogRecord]]:
-    """The ERROR records of uvicorn's servers and of the router while the block runs. Start the servers first:
-    a uvicorn server that starts configures uvicorn's loggers anew, which drops this handler."""
-    handler = _Records(logging.ERROR)
+def logged(level: int) -> Iterator[list[logging.LogRecord]]:
+    """The records at `level` and above of uvicorn's servers and of the router while the block runs. Start the
+    servers first: a uvicorn server that starts configures uvicorn's loggers anew, which drops this handler."""
+    handler = _Records(level)
     loggers = [logging.getLogger("uvicorn.error"), logging.getLogger("kvstage.router")]
     for logger in loggers:
         logger.addHandler(handler)
@@ -371,3 +386,8 @@ def logged_errors() -> Iterator[list[logging.LogRecord]]:
     finally:
         for logger in loggers:
             logger.removeHandler(handler)
+
+
+def logged_errors() -> AbstractContextManager[list[logging.LogRecord]]:
+    """The ERROR records (`logged`)."""
+    return logged(logging.ERROR)

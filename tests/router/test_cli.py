@@ -143,8 +143,24 @@ def test_router_help_lists_the_resilience_and_key_flags() -> None:
         "--upstream-api-key",
         "KVSTAGE_API_KEY",
         "KVSTAGE_UPSTREAM_API_KEY",
+        "--discover",
+        "--policy",
+        "--block-tokens",
+        "--prefix-balance",
     ):
         assert flag in done.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "named"),
+    [(("--prefill", "P=http://h:1"), "--discover"), (("--discover", "--policy", "fastest"), "--policy")],
+    ids=["no decode and no discovery", "unknown policy"],
+)
+def test_a_router_with_nothing_to_route_to_or_an_unknown_policy_is_refused_naming_the_flag(
+    args: tuple[str, ...], named: str
+) -> None:
+    refused = _run("router", "--bootstrap", "tcp://127.0.0.1:1", *args)
+    assert refused.returncode == 2 and named in refused.stderr
 
 
 def test_router_command_serves_health_and_stops_on_sigterm(

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import pytest
-
 from kvstage.router.health import Breaker, BreakerState, Pool
 from kvstage.router.instances import Instance
 from kvstage.router.metrics import RouterMetrics
@@ -45,7 +43,7 @@ def _failure(instance: Instance, reason: str = "connect") -> UpstreamFailure:
 
 def test_the_pool_hands_out_in_turn_and_skips_instances_down_by_probe_or_breaker() -> None:
     metrics = RouterMetrics()
-    pool = Pool([D0, D1], failures_to_open=1, cooldown_s=60.0, metrics=metrics)
+    pool = Pool("decode", [D0, D1], failures_to_open=1, cooldown_s=60.0, metrics=metrics)
     assert [pool.pick() for _ in range(3)] == [D0, D1, D0]
     assert pool.pick(exclude={D1}) == D0 and pool.pick(usable=lambda i: i != D1) == D0
     pool.probed(D0, _failure(D0))
@@ -63,6 +61,19 @@ def test_the_pool_hands_out_in_turn_and_skips_instances_down_by_probe_or_breaker
     assert pool.pick() is None
 
 
-def test_the_pool_needs_an_instance() -> None:
-    with pytest.raises(ValueError):
-        Pool([], failures_to_open=1, cooldown_s=1.0, metrics=RouterMetrics())
+def test_an_instance_that_joins_waits_for_its_first_probe_and_one_that_leaves_takes_its_series_along() -> None:
+    metrics = RouterMetrics()
+    pool = Pool("decode", [], failures_to_open=1, cooldown_s=60.0, metrics=metrics)
+    assert pool.pick() is None
+    assert pool.update([D0, D1]) == ([D0, D1], [])
+    assert pool.pick() is None  # neither probed yet
+    skipped = pool.why_skipped(D0)
+    assert skipped is not None and skipped.detail == "not probed yet"
+    pool.probed(D1, None)
+    assert [pool.pick() for _ in range(2)] == [D1, D1]
+    with pool.busy(D1):
+        assert metrics.value("kvstage_router_instance_in_flight", role="decode", instance="D1") == 1
+    assert pool.update([D0]) == ([], [D1])
+    assert pool.pick() is None and pool.instances == (D0,)
+    assert metrics.registry.get_sample_value("kvstage_router_instance_up", {"role": "decode", "instance": "D1"}) is None
+    pool.succeeded(D1)  # a request that was open when D1 left ends: nothing to update, nothing raised

@@ -177,7 +177,12 @@ class VLLMServerSpec:
         return f"http://127.0.0.1:{self.port}"
 
     def kv_transfer_config(self) -> dict[str, object]:
-        extra: dict[str, object] = {"instance": self.instance, "bootstrap": self.bootstrap, "backend": self.backend}
+        extra: dict[str, object] = {
+            "instance": self.instance,
+            "bootstrap": self.bootstrap,
+            "backend": self.backend,
+            "url": self.url,  # published with the ranks' records: `kvstage router --discover` finds the server
+        }
         if self.report_dir:
             extra["report_dir"] = self.report_dir
         extra.update(dict(self.extra_config))

@@ -2,8 +2,11 @@
 
 Application layer. `app` serves the HTTP endpoints (request ids, the client key, the OpenAI error shape); `proxy`
 runs each client request through a prefill and a decode instance, with retries on another decode instance and
-fallbacks to decode alone; `health` keeps each instance's circuit breaker and `/health` probe and picks instances;
-`instances` names the instances and looks up their TP sizes from the bootstrap in the background; `upstream`
-rewrites the bodies per the router contract and names failures; `config` holds the settings; `metrics` the
-Prometheus metrics. Called by `kvstage router` (cli.py).
+fallbacks to decode alone; `core` holds the state requests share (instances, choices by policy, metrics);
+`discovery` follows the instances registered with the bootstrap (`--discover`); `health` keeps each instance's
+circuit breaker, `/health` probe and load, and hands out instances; `select` holds the policies (round robin,
+least load, prefix affinity with bounded loads); `vllm_metrics` reads a vLLM server's `/metrics`; `instances`
+names the instances and looks up their TP sizes from the bootstrap in the background; `upstream` rewrites the
+bodies per the router contract and names failures; `config` holds the settings; `metrics` the Prometheus
+metrics. Called by `kvstage router` (cli.py).
 """

@@ -36,8 +36,9 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvstage.router.config import RouterConfig
+from kvstage.router.core import Router, error_response
 from kvstage.router.metrics import RouterMetrics
-from kvstage.router.proxy import ProxyEndpoint, Router, error_response, request_id_of
+from kvstage.router.proxy import ProxyEndpoint, request_id_of
 
 log = logging.getLogger("kvstage.router")
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvstage.router.instances import Instance
+from kvstage.router.instances import Instance, Role
+from kvstage.router.select import POLICIES
 
 
 @dataclass(frozen=True)
@@ -32,3 +33,23 @@ class RouterConfig:
     secret: bytes | None = field(default=None, repr=False)  # the deployment's shared secret, for the bootstrap
     api_key: str | None = field(default=None, repr=False)  # what clients must send as `Authorization: Bearer`
     upstream_api_key: str | None = field(default=None, repr=False)  # what the router sends to vLLM (its --api-key)
+    discover: bool = False  # follow the instances registered with the bootstrap (router.discovery)
+    discover_poll_s: float = 1.0  # how often the bootstrap is asked for changes
+    policy: str = "round_robin"  # router.select.POLICIES
+    prefix_block_tokens: int = 128  # prefix policy: tokens per block (vLLM's block size)
+    prefix_balance: float = 1.25  # prefix policy: no decode takes more than this times the average load ...
+    prefix_slack: int = 4  # ... plus this many requests
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        if self.prefix_block_tokens < 1 or not self.prefix_balance >= 1.0 or self.prefix_slack < 0:
+            raise ValueError(
+                "prefix_block_tokens must be positive, prefix_balance at least 1, prefix_slack not negative"
+            )
+        if not (self.discover or (self.prefill and self.decode)):
+            raise ValueError("without discovery, at least one prefill and one decode instance are needed")
+
+    def instances(self, role: Role) -> tuple[Instance, ...]:
+        """The instances configured for `role`."""
+        return self.prefill if role == "prefill" else self.decode

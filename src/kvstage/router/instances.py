@@ -15,8 +15,11 @@ directory client of its own (`kvstage bootstrap` or etcd, transport/directory.py
 thread), bounded by `timeout_s`: the event loop never waits on the bootstrap, and one instance's lookup never waits
 for another's.
 
-Invariants: at most one lookup per instance is under way; sizes and failures are kept for configured instances
-only. Called by `router.proxy` and `router.health`.
+Instances found by discovery (`router.discovery`) come with their TP size and layout: `learn` records them, and
+`forget` drops an instance that left; they are never looked up.
+
+Invariants: at most one lookup per instance is under way; sizes and failures are kept for configured and
+discovered instances only. Called by `router.proxy`, `router.health` and `router.discovery`.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import anyio.to_thread
 from anyio.abc import TaskGroup, TaskStatus
 
 from kvstage.errors import KVStageError
+from kvstage.transport.bootstrap import LayoutRecord, PeerRecord
 from kvstage.transport.directory import open_directory
 
 Role = Literal["prefill", "decode"]
@@ -100,6 +104,7 @@ class TPDirectory:
         self._refresh_s = refresh_s
         self._secret = secret
         self._known: dict[Instance, int] = {}
+        self._token_bytes: dict[Instance, int] = {}  # KV bytes of one token, all layers and heads, K and V
         self._failed: dict[Instance, tuple[float, InstanceUnavailable]] = {}  # last failure: when, why
         self._pending: dict[Instance, _Lookup] = {}
         self._tasks: TaskGroup | None = None
@@ -107,6 +112,22 @@ class TPDirectory:
     def known(self, instance: Instance) -> int | None:
         """The TP size last found, or None."""
         return self._known.get(instance)
+
+    def token_bytes(self, instance: Instance) -> int | None:
+        """KV bytes of one token of the instance's model (from its layout), when known."""
+        return self._token_bytes.get(instance)
+
+    def learn(self, instance: Instance, tp_size: int, layout: LayoutRecord) -> None:
+        """An instance found by discovery, with its TP size and layout (it is not looked up)."""
+        self._known[instance] = tp_size
+        self._token_bytes[instance] = layout.to_layout().bytes_per_token()
+        self._failed.pop(instance, None)
+
+    def forget(self, instance: Instance) -> None:
+        """A discovered instance left."""
+        self._known.pop(instance, None)
+        self._token_bytes.pop(instance, None)
+        self._failed.pop(instance, None)
 
     def failure(self, instance: Instance) -> InstanceUnavailable | None:
         """Why an instance never found cannot be used now (its last lookup failed less than `retry_s` ago)."""
@@ -147,6 +168,7 @@ class TPDirectory:
             for lookup in first:
                 await lookup.done.wait()
             task_status.started()
+            await anyio.sleep_forever()  # with no configured instance too: lookups may still start
 
     async def _keep(self, instance: Instance) -> None:
         while True:
@@ -164,26 +186,28 @@ class TPDirectory:
         return lookup
 
     async def _look_up(self, instance: Instance, lookup: _Lookup) -> None:
-        result: int | InstanceUnavailable
+        result: PeerRecord | InstanceUnavailable
         try:
             try:
                 result = await anyio.to_thread.run_sync(self._lookup_blocking, instance, abandon_on_cancel=True)
             except InstanceUnavailable as exc:
                 result = exc
             self._record(instance, result)
-            lookup.result = result
+            lookup.result = result.tp_size if isinstance(result, PeerRecord) else result
         finally:  # cancelled too: whoever waits wakes up
             del self._pending[instance]
             lookup.done.set()
 
-    def _record(self, instance: Instance, result: int | InstanceUnavailable) -> None:
+    def _record(self, instance: Instance, result: PeerRecord | InstanceUnavailable) -> None:
         known = self._known.get(instance)
-        if isinstance(result, int):
-            if known is not None and result != known:
-                log.info("%s: TP size %d, was %d", instance.describe(), result, known)
+        if isinstance(result, PeerRecord):
+            size = result.tp_size
+            if known is not None and size != known:
+                log.info("%s: TP size %d, was %d", instance.describe(), size, known)
             if instance in self._failed:
-                log.info("%s: TP size %d found", instance.describe(), result)
-            self._known[instance] = result
+                log.info("%s: TP size %d found", instance.describe(), size)
+            self._known[instance] = size
+            self._token_bytes[instance] = result.layout.to_layout().bytes_per_token()
             self._failed.pop(instance, None)
             return
         if instance not in self._failed:  # logged when the trouble starts, not on every retry
@@ -191,7 +215,7 @@ class TPDirectory:
             log.warning("%s: %s%s", instance.describe(), result, kept)
         self._failed[instance] = (time.monotonic(), result)
 
-    def _lookup_blocking(self, instance: Instance) -> int:
+    def _lookup_blocking(self, instance: Instance) -> PeerRecord:
         client = open_directory(self.bootstrap, timeout_s=self._timeout_s, secret=self._secret)
         try:
             records = client.lookup_instance(instance.name, instance.role)
@@ -201,4 +225,4 @@ class TPDirectory:
             client.close()
         if not records:
             raise InstanceUnavailable(f"not registered with the bootstrap {self.bootstrap}", "unregistered")
-        return records[0].tp_size
+        return records[0]

@@ -16,6 +16,16 @@ Metrics (all prefixed `kvstage_router_`):
   for a streamed request (histogram);
 - `prefill_seconds`: duration of the prefill requests that succeeded (histogram).
 
+Per instance (each instance's series go when it leaves the router's pools, so churn never grows them):
+- `instance_in_flight{role, instance}`: requests of this router open at the instance (its load);
+- `instance_waiting{role, instance}`: vLLM's `num_requests_waiting` at the last read of its `/metrics`;
+- `routed_total{role, instance}`: requests sent to the instance (each attempt);
+- `ttft_seconds{instance}`: per decode instance, arrival to the first body byte sent (histogram);
+- `kv_bytes_total{instance}`: per decode instance, KV bytes its connector loaded since the router started
+  (vLLM's `prompt_tokens_by_source{source="external_kv_transfer"}` times the KV bytes of a token);
+- `scrape_failures_total{role, instance}`: `/metrics` reads that failed;
+- errors by kind: `upstream_errors_total{role, instance, reason}` above.
+
 Invariants: nothing is registered on prometheus-client's global registry, so several routers (and tests) can live
 in one process. Called by `router.proxy`, `router.health` and `router.app`.
 """
@@ -41,6 +51,7 @@ FALLBACKS: Final = (
     "prefill_failed",  # prefill failed before decode's first byte: decode was asked again, without a room
     "no_prefill",  # no prefill instance could take the request (down, breaker open, TP size unknown)
     "beam_search",  # vLLM's beam search makes up its own engine requests: decode serves it alone
+    "prefix_cached",  # the decode chosen likely holds all of the prompt but less than a block: no prefill hop
 )
 
 _SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
@@ -101,6 +112,54 @@ class RouterMetrics:
             buckets=_SECONDS_BUCKETS,
             registry=reg,
         )
+
+        self.instance_in_flight = Gauge(
+            "kvstage_router_instance_in_flight",
+            "Requests of this router open at the instance",
+            ("role", "instance"),
+            registry=reg,
+        )
+        self.waiting = Gauge(
+            "kvstage_router_instance_waiting",
+            "vLLM's num_requests_waiting at the last read of its /metrics",
+            ("role", "instance"),
+            registry=reg,
+        )
+        self.routed = Counter(
+            "kvstage_router_routed", "Requests sent to the instance", ("role", "instance"), registry=reg
+        )
+        self.ttft_seconds = Histogram(
+            "kvstage_router_ttft_seconds",
+            "Per decode instance: arrival to first body byte sent",
+            ("instance",),
+            buckets=_SECONDS_BUCKETS,
+            registry=reg,
+        )
+        self.kv_bytes = Counter(
+            "kvstage_router_kv_bytes", "KV bytes the decode instance's connector loaded", ("instance",), registry=reg
+        )
+        self.scrape_failures = Counter(
+            "kvstage_router_scrape_failures", "/metrics reads that failed", ("role", "instance"), registry=reg
+        )
+        self._per_instance = (
+            self.upstream_errors,
+            self.breaker_state,
+            self.instance_up,
+            self.probes,
+            self.instance_in_flight,
+            self.waiting,
+            self.routed,
+            self.scrape_failures,
+        )
+        self._per_decode = (self.ttft_seconds, self.kv_bytes)
+
+    def forget(self, role: str, instance: str) -> None:
+        """Drop every series of an instance that left."""
+        for metric in self._per_instance:
+            metric.remove_by_labels({"role": role, "instance": instance})
+        if role == "decode":
+            for per_decode in self._per_decode:
+                per_decode.remove_by_labels({"instance": instance})
 
     def request_done(self, endpoint: str, outcome: str) -> None:
         if outcome not in OUTCOMES:

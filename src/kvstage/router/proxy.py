@@ -1,16 +1,15 @@
 """The router's request path: one client request through a prefill and a decode instance, with retries and
 fallbacks, in structured concurrency.
 
-Owns `Router` (the shared state: the upstream HTTP client, a `Pool` per role, the `TPDirectory`, the `Prober`,
-the concurrency slots and the metrics; `run` keeps the background tasks going for the app's life), `ProxyEndpoint`
-(the ASGI endpoint of `/v1/completions` and `/v1/chat/completions`) and `error_response` (the OpenAI error shape).
+Owns `ProxyEndpoint` (the ASGI endpoint of `/v1/completions` and `/v1/chat/completions`) and `request_id_of`.
+The state it shares with other requests (instances, choices, metrics) is `router.core.Router`.
 
 One client request (`ProxyEndpoint`, then `_Exchange`):
 1. take a concurrency slot (429 when none is left) and read the body (bounded: 413; not a JSON object: 400);
-2. an attempt: pick a decode instance (in turn among those up, allowed by their breaker, whose TP size lookup has
-   not just failed, and not yet tried for this request) and a prefill instance likewise, draw a new room and send
-   both upstream requests at once. Decode's answer is held back until its first body byte: its headers alone
-   prove nothing (vLLM may send them before it has the KV);
+2. an attempt: choose a decode instance by the router's policy (among those up, allowed by their breaker, whose
+   TP size lookup has not just failed, and not yet tried for this request) and a prefill instance likewise, draw a
+   new room and send both upstream requests at once. Decode's answer is held back until its first body byte: its
+   headers alone prove nothing (vLLM may send them before it has the KV);
 3. decode fails before that byte (connect error, 5xx, timeout, broken connection, not registered): the attempt's
    prefill request is cancelled and a new attempt starts on another decode instance with a new room, up to
    `max_attempts` attempts in all; a refused request (decode's 4xx) is the client's answer;
@@ -18,10 +17,13 @@ One client request (`ProxyEndpoint`, then `_Exchange`):
    decode request is cancelled (its connection is closed: vLLM aborts it, and kvstage's connector the room) and
    sent again to the same decode instance without a room, which computes the prompt itself. After that byte a
    prefill failure is only logged: decode's room fails and vLLM recomputes what it misses;
-5. no prefill instance can take the request, or the client asks for beam search: decode alone, without a room;
+5. no prefill instance can take the request, the client asks for beam search, or (prefix policy) the decode
+   chosen likely holds all of the prompt but less than a block: decode alone, without a room;
 6. decode's first byte arrived: its status, content type and body are relayed chunk by chunk, never buffered;
    once decode's answer has ended, a prefill request still running is cancelled;
 7. the client disconnecting at any point cancels everything still running.
+
+Each upstream request counts in its instance's load (`Pool.busy`) while it is open.
 
 Invariants: everything one request starts runs in that request's task group (`_Exchange.run`), and its slot is
 given back only once that group has ended, so at most `max_concurrent` prefill and `max_concurrent` decode
@@ -34,20 +36,19 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import anyio
 import httpx
-from anyio.abc import TaskGroup, TaskStatus
-from fastapi.responses import JSONResponse, Response
+from anyio.abc import TaskGroup
 from starlette.requests import ClientDisconnect, Request
 from starlette.types import Receive, Scope, Send
 
-from kvstage.router.config import RouterConfig
-from kvstage.router.health import Pool, Prober
-from kvstage.router.instances import Instance, InstanceUnavailable, TPDirectory
+from kvstage.router.core import Route, Router, error_response, failure_response, outcome_of
+from kvstage.router.instances import Instance, InstanceUnavailable
 from kvstage.router.metrics import RouterMetrics
+from kvstage.router.select import NO_BLOCKS, prompt_blocks
 from kvstage.router.upstream import (
     JSONBody,
     UpstreamFailure,
@@ -62,21 +63,6 @@ from kvstage.router.upstream import (
 )
 
 log = logging.getLogger("kvstage.router")
-
-MODELS_BYTES = 2**20  # the most of an upstream /v1/models answer the router relays
-
-
-def error_response(status: int, message: str, kind: str, headers: Mapping[str, str] | None = None) -> JSONResponse:
-    """The OpenAI error shape, `{"error": {"message", "type", "code"}}`, for an error of the router's own."""
-    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status, headers=headers)
-
-
-def _failure_response(failure: UpstreamFailure) -> JSONResponse:
-    return JSONResponse(failure.error_body(), status_code=failure.status)
-
-
-def _outcome_of(failure: UpstreamFailure) -> str:
-    return {503: "decode_unavailable", 504: "decode_timeout", 502: "decode_error"}.get(failure.status, "client_error")
 
 
 def request_id_of(scope: Scope) -> str:
@@ -112,143 +98,6 @@ async def _close(response: httpx.Response) -> None:
     """Close an upstream response, even in a cancelled scope (closing its connection is what cancels upstream)."""
     with anyio.CancelScope(shield=True):
         await response.aclose()
-
-
-class Router:
-    """The request path's shared state and background tasks (`run`)."""
-
-    def __init__(self, config: RouterConfig) -> None:
-        self.config = config
-        self.metrics = RouterMetrics()
-        self.prefill = Pool(
-            config.prefill,
-            failures_to_open=config.breaker_failures,
-            cooldown_s=config.breaker_cooldown_s,
-            metrics=self.metrics,
-        )
-        self.decode = Pool(
-            config.decode,
-            failures_to_open=config.breaker_failures,
-            cooldown_s=config.breaker_cooldown_s,
-            metrics=self.metrics,
-        )
-        self.tp = TPDirectory(
-            config.bootstrap,
-            (*config.prefill, *config.decode),
-            timeout_s=config.bootstrap_timeout_s,
-            retry_s=config.tp_retry_s,
-            refresh_s=config.tp_refresh_s,
-            secret=config.secret,
-        )
-        upstreams = len(config.prefill) + len(config.decode)
-        self.client = httpx.AsyncClient(
-            timeout=httpx.Timeout(
-                config.read_timeout_s, connect=config.connect_timeout_s, pool=config.connect_timeout_s
-            ),
-            limits=httpx.Limits(max_connections=2 * config.max_concurrent + upstreams, max_keepalive_connections=64),
-        )
-        self._prober = Prober(
-            self.client,
-            (self.prefill, self.decode),
-            interval_s=config.probe_interval_s,
-            timeout_s=config.health_timeout_s,
-        )
-        self._slots = 0
-
-    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
-        """TP lookups and probes until cancelled; started once each has had its first round (bounded by the
-        bootstrap and probe timeouts)."""
-        async with anyio.create_task_group() as background:
-            async with anyio.create_task_group() as first_rounds:
-                first_rounds.start_soon(background.start, self.tp.run)
-                first_rounds.start_soon(background.start, self._prober.run)
-            task_status.started()
-
-    async def aclose(self) -> None:
-        await self.client.aclose()
-
-    def take_slot(self) -> bool:
-        if self._slots >= self.config.max_concurrent:
-            return False
-        self._slots += 1
-        self.metrics.in_flight.set(self._slots)
-        return True
-
-    def release_slot(self) -> None:
-        self._slots -= 1
-        self.metrics.in_flight.set(self._slots)
-
-    def usable(self, instance: Instance) -> bool:
-        """Not known to be unregistered (or its bootstrap lookup failing) right now."""
-        return self.tp.failure(instance) is None
-
-    def pick(self, pool: Pool, exclude: frozenset[Instance] = frozenset()) -> Instance | None:
-        return pool.pick(exclude, self.usable)
-
-    def unavailable(self, pool: Pool) -> UpstreamFailure:
-        """A 503 naming why no instance of `pool` can take a request (the first one's reason)."""
-        for instance in pool.instances:
-            lookup = self.tp.failure(instance)
-            if lookup is not None:
-                return UpstreamFailure(instance, lookup.reason, 503, str(lookup))
-            skipped = pool.why_skipped(instance)
-            if skipped is not None:
-                return skipped
-        first = pool.instances[0]
-        return UpstreamFailure(first, "unavailable", 503, f"no {first.role} instance can take the request now")
-
-    async def models(self, request_id: str) -> Response:
-        """A decode instance's `/v1/models` (both roles serve the same model), read up to `MODELS_BYTES`."""
-        decode = self.decode.pick()
-        if decode is None:
-            failure = self.unavailable(self.decode)
-        else:
-            answer = await self._models_of(decode, request_id)
-            if isinstance(answer, Response):
-                self.metrics.request_done("/v1/models", "ok")
-                return answer
-            failure = answer
-            self.decode.failed(failure)
-            self.metrics.upstream_error(decode.role, decode.name, failure.reason)
-        log.warning("request %s: model list unavailable: %s", request_id, failure)
-        self.metrics.request_done("/v1/models", _outcome_of(failure))
-        return _failure_response(failure)
-
-    async def _models_of(self, decode: Instance, request_id: str) -> Response | UpstreamFailure:
-        headers = upstream_headers(request_id, self.config.upstream_api_key)
-        url = decode.url + "/v1/models"
-        try:
-            async with self.client.stream("GET", url, headers=headers, timeout=self.config.health_timeout_s) as got:
-                raw = await read_bounded(got, MODELS_BYTES + 1)
-        except httpx.HTTPError as exc:
-            return failure_from_exception(decode, exc)
-        if got.status_code >= 400:
-            return failure_from_response(decode, got.status_code, raw)
-        if len(raw) > MODELS_BYTES:
-            return UpstreamFailure(decode, "protocol", 502, f"/v1/models answer over {MODELS_BYTES} bytes")
-        self.decode.succeeded(decode)
-        return Response(raw, media_type=got.headers.get("content-type"))
-
-    def health(self) -> tuple[int, JSONBody]:
-        """Each instance's state as the router sees it; 200 while some decode instance is up."""
-        states = [self._state(pool, i) for pool in (self.prefill, self.decode) for i in pool.instances]
-        decode_up = any(s["up"] for s in states if s["role"] == "decode")
-        status = "ok" if all(s["up"] for s in states) else "degraded" if decode_up else "down"
-        return (200 if decode_up else 503), {"status": status, "instances": states}
-
-    def _state(self, pool: Pool, instance: Instance) -> JSONBody:
-        state: JSONBody = {"name": instance.name, "role": instance.role, "url": instance.url}
-        state["breaker"] = pool.breaker_state(instance)
-        tp = self.tp.known(instance)
-        if tp is not None:
-            state["tp_size"] = tp
-        lookup = self.tp.last_failure(instance)
-        skipped = pool.why_skipped(instance)
-        if lookup is not None:
-            return {**state, "up": False, "reason": f"{lookup.reason}: {lookup}"}
-        if skipped is not None:
-            return {**state, "up": False, "reason": f"{skipped.reason}: {skipped.detail}"}
-        return {**state, "up": True}
 
 
 class ProxyEndpoint:
@@ -363,30 +212,43 @@ class _Exchange:
         if decode_only is not None:
             self.metrics.fallback(decode_only)
             self._log(logging.INFO, "served by decode alone (%s)", decode_only)
+        blocks = NO_BLOCKS
+        if self.config.policy == "prefix":
+            blocks = prompt_blocks(self.body, chat=self.chat, block_tokens=self.config.prefix_block_tokens)
         tried: frozenset[Instance] = frozenset()
         failure: UpstreamFailure | None = None
         for _ in range(self.config.max_attempts):
-            decode = self.router.pick(self.router.decode, exclude=tried)
-            if decode is None:
+            route = self.router.pick_decode(blocks, exclude=tried)
+            if route is None:
                 break
             if failure is not None:
                 self.metrics.retries.labels(failure.reason).inc()
-                self._log(logging.WARNING, "trying again on %s with a new room", decode.describe())
-            tried |= {decode}
-            result = await (self._decode_alone(decode) if decode_only else self._attempt(decode, tasks))
-            if isinstance(result, _Opened):
-                await self._relay(result, send)
-                return
+                self._log(logging.WARNING, "trying again on %s with a new room", route.decode.describe())
+            tried |= {route.decode}
+            with self.router.decode.busy(route.decode):
+                result = await self._try(route, decode_only is not None, tasks)
+                if isinstance(result, _Opened):
+                    self.router.served(route.decode, blocks)
+                    await self._relay(result, send)
+                    return
             failure = result
             if not failure.retryable:
                 break
         failure = failure or self.router.unavailable(self.router.decode)
-        self.outcome.set(_outcome_of(failure))
-        await _failure_response(failure)(scope, receive, send)
+        self.outcome.set(outcome_of(failure))
+        await failure_response(failure)(scope, receive, send)
+
+    async def _try(self, route: Route, decode_only: bool, tasks: TaskGroup) -> _Opened | UpstreamFailure:
+        """One attempt on `route.decode`: with a prefill instance, or decode alone."""
+        if decode_only:
+            return await self._decode_alone(route.decode)
+        if route.skip_prefill:
+            return await self._fall_back(route.decode, "prefix_cached", "decode likely holds the whole prompt")
+        return await self._attempt(route.decode, tasks)
 
     async def _attempt(self, decode: Instance, tasks: TaskGroup) -> _Opened | UpstreamFailure:
         """One room through `decode` and the next prefill instance; its prefill request runs in `tasks`."""
-        prefill = self.router.pick(self.router.prefill)
+        prefill = self.router.pick_prefill()
         if prefill is None:
             return await self._fall_back(decode, "no_prefill", "no prefill instance can take it")
         decode_tp, prefill_tp = await self._tp_sizes(decode, prefill)
@@ -469,7 +331,7 @@ class _Exchange:
         self._log(logging.WARNING, "%s: %s", what, failure)
 
     async def _prefill(self, run: _PrefillRun) -> None:
-        with run.scope:
+        with run.scope, self.router.prefill.busy(run.instance):
             failure = await self._prefill_request(run)
             if failure is None:
                 return
@@ -506,7 +368,9 @@ class _Exchange:
         headers = [] if content_type is None else [(b"content-type", content_type.encode("latin-1"))]
         try:
             await send({"type": "http.response.start", "status": response.status_code, "headers": headers})
-            self.metrics.first_byte_seconds.labels(self.path).observe(time.monotonic() - self.outcome.started)
+            first_byte_s = time.monotonic() - self.outcome.started
+            self.metrics.first_byte_seconds.labels(self.path).observe(first_byte_s)
+            self.metrics.ttft_seconds.labels(opened.decode.name).observe(first_byte_s)
             await send({"type": "http.response.body", "body": opened.first, "more_body": True})
             try:
                 async for chunk in opened.rest:
@@ -515,7 +379,7 @@ class _Exchange:
                 failure = failure_from_exception(opened.decode, exc)
                 self._upstream_failed(failure, "decode broke off its answer")
                 self.router.decode.failed(failure)
-                self.outcome.set(_outcome_of(failure))
+                self.outcome.set(outcome_of(failure))
                 if not (content_type or "").startswith("text/event-stream"):
                     return  # without the end of the body, the server cuts the connection
                 event = f"data: {json.dumps(failure.error_body())}\n\n".encode()

@@ -62,6 +62,8 @@ class AgentConfig:
     bootstrap_timeout_s: float = 5.0
     #: Chunk stage stamps kept for `kvstage bench`'s breakdown (runtime/trace.py); 0 (the default) records none.
     trace_chunks: int = 0
+    #: The instance's OpenAI base URL, published in the record for routers that discover instances ("": none).
+    url: str = ""
 
     def __post_init__(self) -> None:
         if not self.bootstrap_timeout_s > 0:
@@ -104,6 +106,7 @@ class AgentConfig:
                 max_write_s=self.timing.max_write_s,
                 clock_drift=self.timing.clock_drift,
             ),
+            url=self.url,
         )
 
 

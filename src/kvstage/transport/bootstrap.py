@@ -5,7 +5,10 @@ Owns:
   address, data backend, its transport descriptors (a decode rank publishes its staging ring's descriptor
   here, which is how writers learn where to write), its session (new and larger on every restart), and its
   lease-relevant timing (`TimingRecord`: the agents refuse a peer whose timing breaks the writer-lease rule,
-  docs/protocol.md "Writer leases");
+  docs/protocol.md "Writer leases"), and the OpenAI URL of its instance's server when it publishes one (what
+  `kvstage router --discover` follows);
+- `InstanceEntry` / `instance_entries`: one instance summed up from its ranks' records (name, role, TP size, URL,
+  layout, whether every rank is registered), what `BootstrapClient.list_instances` returns;
 - `BootstrapServer`: a small ZeroMQ ROUTER service, one thread owning its socket, holding at most
   `max_records` records (a newer session replaces an older one; an older session never replaces a newer one),
   each for `record_ttl_s` after its last registration (agents register again every `REREGISTER_S`, so the record
@@ -48,6 +51,7 @@ MAX_FRAME_BYTES: Final = 8 * 2**20
 MAX_RECORDS: Final = 4096
 MAX_DESCRIPTORS: Final = 16
 MAX_DESCRIPTOR_BYTES: Final = 2**20 + 4096
+MAX_URL_CHARS: Final = 512
 #: What a bootstrap request's tag is bound to (transport/auth.py); a reply is bound to its request's tag.
 REQUEST_CONTEXT: Final = b"kvstage bootstrap request"
 #: How long a record lives after its last registration, and how often a live agent registers again.
@@ -111,6 +115,37 @@ class PeerRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     chunk_tokens: Annotated[int, Meta(ge=0)] = 0
     #: Agents always publish it; a record without it (a tool's, a test's) is refused by `runtime.config.check_peer`.
     timing: TimingRecord | None = None
+    #: The instance's OpenAI base URL (what `kvstage router --discover` sends requests to); "" when not published.
+    url: Annotated[str, Meta(max_length=MAX_URL_CHARS)] = ""
+
+
+class InstanceEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One instance as `list_instances` sums it up from its ranks' records: who it is, where its OpenAI server is,
+    and whether every rank of it is registered (`complete`)."""
+
+    instance: Name
+    role: Role
+    tp_size: Annotated[int, Meta(ge=1, le=1024)]
+    url: Annotated[str, Meta(max_length=MAX_URL_CHARS)]
+    layout: LayoutRecord
+    complete: bool
+
+
+def instance_entries(records: list[PeerRecord]) -> list[InstanceEntry]:
+    """The instances among `records`, sorted by (role, name). An instance is `complete` when ranks 0..tp_size-1
+    are registered, all under one TP size; its URL, TP size and layout are rank 0's (else the lowest rank's)."""
+    groups: dict[tuple[str, str], list[PeerRecord]] = {}
+    for record in records:
+        groups.setdefault((record.role, record.instance), []).append(record)
+    entries = []
+    for (_role, _name), group in sorted(groups.items()):
+        group.sort(key=lambda r: r.rank)
+        first = group[0]
+        complete = {r.tp_size for r in group} == {first.tp_size} and [r.rank for r in group] == list(
+            range(first.tp_size)
+        )
+        entries.append(InstanceEntry(first.instance, first.role, first.tp_size, first.url, first.layout, complete))
+    return entries
 
 
 class _Register(msgspec.Struct, frozen=True, tag="register"):
@@ -131,13 +166,18 @@ class _LookupInstance(msgspec.Struct, frozen=True, tag="lookup_instance"):
     role: Role
 
 
-_Request = _Register | _Unregister | _Lookup | _LookupInstance
+class _ListInstances(msgspec.Struct, frozen=True, tag="list_instances"):
+    pass
+
+
+_Request = _Register | _Unregister | _Lookup | _LookupInstance | _ListInstances
 
 
 class _Reply(msgspec.Struct, frozen=True):
     ok: bool
     error: str = ""
     records: list[PeerRecord] = []
+    instances: Annotated[list[InstanceEntry], Meta(max_length=MAX_RECORDS)] = []
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -287,6 +327,8 @@ class BootstrapServer:
                 return _Reply(True)
             if isinstance(request, _Lookup):
                 return _Reply(True, records=[self._records[p] for p in request.peer_ids if p in self._records])
+            if isinstance(request, _ListInstances):
+                return _Reply(True, instances=instance_entries(list(self._records.values())))
             found = [r for r in self._records.values() if r.instance == request.instance and r.role == request.role]
             return _Reply(True, records=sorted(found, key=lambda r: r.rank))
 
@@ -347,6 +389,10 @@ class BootstrapClient:
     def lookup_instance(self, instance: str, role: Role) -> list[PeerRecord]:
         """Every registered rank of `instance` in `role`, by rank."""
         return self._call(_LookupInstance(instance, role)).records
+
+    def list_instances(self) -> list[InstanceEntry]:
+        """Every instance with a registered rank, summed up (`InstanceEntry`), sorted by (role, name)."""
+        return self._call(_ListInstances()).instances
 
     def wait_for_instance(self, instance: str, role: Role, tp_size: int, timeout_s: float) -> list[PeerRecord]:
         """Poll until all `tp_size` ranks of `instance` are registered; `TransportError` after `timeout_s`."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Protocol
 
-from kvstage.transport.bootstrap import BootstrapClient, PeerRecord, Role
+from kvstage.transport.bootstrap import BootstrapClient, InstanceEntry, PeerRecord, Role
 from kvstage.transport.etcd import EtcdDirectory, is_etcd
 
 
@@ -36,6 +36,9 @@ class Directory(Protocol):
     def lookup_instance(self, instance: str, role: Role) -> list[PeerRecord]: ...
 
     def wait_for_instance(self, instance: str, role: Role, tp_size: int, timeout_s: float) -> list[PeerRecord]: ...
+
+    def list_instances(self) -> list[InstanceEntry]:
+        """Every instance with a registered rank, summed up, sorted by (role, name)."""
 
     def close(self) -> None: ...
 

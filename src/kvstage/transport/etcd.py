@@ -49,7 +49,14 @@ from etcd3gw.exceptions import Etcd3Exception
 
 from kvstage.errors import ConfigError, ProtocolError, TransportError
 from kvstage.transport.auth import FrameAuth
-from kvstage.transport.bootstrap import MAX_RECORDS, PeerRecord, Role, wait_for_instance
+from kvstage.transport.bootstrap import (
+    MAX_RECORDS,
+    InstanceEntry,
+    PeerRecord,
+    Role,
+    instance_entries,
+    wait_for_instance,
+)
 
 log = logging.getLogger(__name__)
 
@@ -282,6 +289,11 @@ class EtcdDirectory:
     def records(self) -> list[PeerRecord]:
         """Every registered record, by peer id."""
         return sorted(self._current().values(), key=lambda r: r.peer_id)
+
+    def list_instances(self) -> list[InstanceEntry]:
+        """Every instance with a registered rank, summed up (`InstanceEntry`), sorted by (role, name), as
+        `BootstrapClient.list_instances` gives them (what `kvstage router --discover` follows)."""
+        return instance_entries(self.records())
 
     def close(self) -> None:
         """Stop the watch. The lease is left to expire: records registered here and not withdrawn outlive the

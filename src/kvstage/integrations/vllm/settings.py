@@ -10,12 +10,18 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
+from urllib.parse import urlsplit
 
 from kvstage.errors import ConfigError
 from kvstage.layout import ceil_div
 
 BACKENDS = ("local", "mooncake", "nixl")
 _KINDS: dict[str, type] = {"str": str, "int": int, "float": float}
+
+
+def _is_base_url(url: str) -> bool:
+    parts = urlsplit(url)
+    return parts.scheme in ("http", "https") and bool(parts.netloc) and len(url) <= 512
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +41,9 @@ class ConnectorSettings:
       late on a busy CPU host), and a false "peer dead" costs a recompute. Heartbeats go every tenth of it.
     - `report_dir`: when set, each rank appends per-page digests of the KV it sent or received, and its
       transfer counters, to a file there (the demo's checks). Off by default: it reads every byte once more.
+    - `url`: this instance's OpenAI base URL as clients reach it (`http://HOST:PORT`), published with its ranks'
+      bootstrap records so that `kvstage router --discover` finds it; "" publishes none (a router with static
+      instance lists needs none).
     - `secret_file`: a file holding the deployment's shared secret (else `KVSTAGE_SECRET`, else none): every
       control frame and bootstrap request is then authenticated (docs/security.md). Needed when `host` is not a
       loopback address.
@@ -51,8 +60,11 @@ class ConnectorSettings:
     dead_after_s: float = 20.0
     report_dir: str = ""
     secret_file: str = ""
+    url: str = ""
 
     def __post_init__(self) -> None:
+        if self.url and not _is_base_url(self.url):
+            raise ConfigError(f"kvstage: 'url' must be http(s)://HOST:PORT (the OpenAI server), got {self.url!r}")
         if not self.instance or "/" in self.instance:
             raise ConfigError(f"kvstage: 'instance' must be a non-empty name without '/', got {self.instance!r}")
         if self.backend not in BACKENDS:

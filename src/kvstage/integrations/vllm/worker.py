@@ -127,6 +127,7 @@ class WorkerSide:
             staging_bytes=s.staging_mib << 20,
             timing=Timing(heartbeat_s=s.dead_after_s / 10, dead_after_s=s.dead_after_s),
             secret=load_secret(s.secret_file or None),
+            url=s.url.rstrip("/"),
         )
         agent = PrefillAgent(config, self._kv) if self._producer else DecodeAgent(config, self._kv)
         agent.start()
