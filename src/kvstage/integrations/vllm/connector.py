@@ -38,7 +38,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvstage.errors import ConfigError
 from kvstage.integrations.vllm.metadata import StepMetadata
-from kvstage.integrations.vllm.scheduler import SchedulerSide
+from kvstage.integrations.vllm.scheduler import Instance, SchedulerSide
 from kvstage.integrations.vllm.settings import ConnectorSettings
 from kvstage.integrations.vllm.worker import EngineFacts, Results, WorkerSide
 
@@ -98,7 +98,8 @@ class KVStageConnector(KVConnectorBase_V1):
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = SchedulerSide(producer, vllm_config.cache_config.block_size)
+            instance = scheduler_instance(vllm_config, settings.instance)
+            self._scheduler = SchedulerSide(producer, vllm_config.cache_config.block_size, instance)
         else:
             self._worker = WorkerSide(settings, engine_facts(vllm_config, producer))
 
@@ -202,6 +203,14 @@ class KVStageConnector(KVConnectorBase_V1):
         if self._scheduler is None:
             raise ConfigError("kvstage: a scheduler hook was called on a worker's connector")
         return self._scheduler
+
+
+def scheduler_instance(vllm_config: VllmConfig, name: str) -> Instance:
+    """The instance the scheduler side serves. vLLM's sequential flow needs every prefill rank to write to some
+    decode rank, whatever decode's TP size: a rank whose heads a replica writes would never hear of decode."""
+    tp, heads = vllm_config.parallel_config.tensor_parallel_size, vllm_config.model_config.get_total_num_kv_heads()
+    replicated = f"prefill TP {tp} > {heads} KV heads (replicated heads) is not served in vLLM's sequential flow"
+    return Instance(name, tp, replicated if tp > heads else "")
 
 
 def engine_facts(vllm_config: VllmConfig, producer: bool) -> EngineFacts:
