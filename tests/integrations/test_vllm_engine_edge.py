@@ -243,17 +243,21 @@ def test_in_the_sequential_flow_decode_gets_the_prompts_kv_from_the_blocks_prefi
     assert_clean(pair)
 
 
-def test_in_the_sequential_flow_prefill_frees_the_blocks_at_the_deadline_when_decode_never_comes(
+def test_in_the_sequential_flow_prefill_frees_the_blocks_at_the_deadline_when_decode_does_not_come_in_time(
     make_pair: Callable[..., Pair],
 ) -> None:
     pair = make_pair(room_timeout_s=3.0)
-    pair.send_sequential("lost", prompt(210, 120))
-    pair.decode.abort("lost")  # the proxy died before decode ever scheduled it: no decode rank asks for the room
+    pair.send_sequential("lost", prompt(210, 120), to_decode=False)  # the proxy lost prefill's answer
     assert "lost" in pair.prefill.live  # held for decode, whose ranks would attach within the deadline
     pair.run(until=[pair.prefill], timeout_s=30.0)  # the room fails at its deadline; vLLM frees the blocks
     for worker in pair.prefill.workers:
         agent = worker._agent
         assert agent is not None and agent.metrics.value("kvstage_room_failures_total", reason="timeout") == 1
+    pair.prefill.assert_clean()
+    # the answer reaches decode after all: prefill aborts the room it remembers, and decode computes the prompt
+    pair.decode.add("lost", prompt(210, 120), pair.prefill.answers["lost"], max_tokens=3)
+    pair.run(timeout_s=10.0)  # well before decode's own room deadline (20 s)
+    assert "lost" not in pair.intact
     assert_clean(pair)
 
 

@@ -314,13 +314,15 @@ class Pair:
         self.prefill.add(req_id, prompt, self.params(room, self.prefill), max_tokens=1)
         self.decode.add(req_id, prompt, self.params(room, self.decode), max_tokens=decode_max_tokens)
 
-    def send_sequential(self, req_id: str, prompt: list[int], params: dict[str, Any] | None = None) -> None:
-        """What a proxy of vLLM's sequential flow does: the prompt to prefill alone (one token, `params` or
-        `{"do_remote_decode": true}`), then, once prefill answered, to decode with the answer's kv_transfer_params."""
-        self.prefill.add(req_id, prompt, params or {"do_remote_decode": True}, max_tokens=1)
+    def send_sequential(self, req_id: str, prompt: list[int], *, to_decode: bool = True) -> None:
+        """What a proxy of vLLM's sequential flow does: the prompt to prefill alone (one token, with
+        `{"do_remote_decode": true}`), then, once prefill answered (and unless `to_decode` is False: the proxy lost
+        it), to decode with the answer's kv_transfer_params."""
+        self.prefill.add(req_id, prompt, {"do_remote_decode": True}, max_tokens=1)
         while req_id not in self.prefill.answers:
             self.prefill.step()
-        self.decode.add(req_id, prompt, self.prefill.answers[req_id], max_tokens=3)
+        if to_decode:
+            self.decode.add(req_id, prompt, self.prefill.answers[req_id], max_tokens=3)
 
     def step(self) -> None:
         self.prefill.step()
