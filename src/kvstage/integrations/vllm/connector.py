@@ -5,8 +5,9 @@ WORKER). It holds the checked settings and delegates: scheduler hooks to `schedu
 to `worker.WorkerSide`. Each primitive, with the side that calls it:
 
     scheduler  on_new_request (params checked, a room per request)  get_num_new_matched_tokens
-               update_state_after_alloc  build_connector_meta  request_finished  update_connector_output
-               has_pending_push_work  bind_kv_cache_manager
+               update_state_after_alloc  build_connector_meta  request_finished (prefill, vLLM's sequential flow:
+               the kv_transfer_params decode needs)  update_connector_output  has_pending_push_work
+               bind_kv_cache_manager
     worker     register_kv_caches  handle_preemptions (preempted requests' blocks reclaimed, before the forward)
                bind_connector_metadata (rooms start here, before the forward)
                start_load_kv / wait_for_layer_load / save_kv_layer (no-ops: kvstage moves KV off the forward path)
