@@ -19,11 +19,21 @@ from kvstage.e2e.verify import decode_rooms
 from .conftest import Cluster
 from .test_vllm_e2e import MAX_TOKENS, assert_bit_exact, prompt_ids, single_instance, wait_new_rooms
 
+#: What vLLM's proxy examples send prefill: the remote fields are filled in by prefill's answer.
+ASK_PREFILL = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+
 
 def sequential_proxy(prefill_url: str, decode_url: str, body: dict[str, Any]) -> dict[str, Any]:
     """One completion the way vLLM's documented PD proxies make it: prefill first, then decode with prefill's
     kv_transfer_params (without them, decode computes the prompt itself)."""
-    first = {**body, "kv_transfer_params": {"do_remote_decode": True}, "max_tokens": 1, "stream": False}
+    first = {**body, "kv_transfer_params": ASK_PREFILL, "max_tokens": 1, "stream": False}
     first.pop("stream_options", None)
     answer = httpx.post(f"{prefill_url}/v1/completions", json=first, timeout=120.0)
     answer.raise_for_status()

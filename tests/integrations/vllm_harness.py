@@ -316,9 +316,10 @@ class Pair:
 
     def send_sequential(self, req_id: str, prompt: list[int], *, to_decode: bool = True) -> None:
         """What a proxy of vLLM's sequential flow does: the prompt to prefill alone (one token, with
-        `{"do_remote_decode": true}`), then, once prefill answered (and unless `to_decode` is False: the proxy lost
+        `do_remote_decode`), then, once prefill answered (and unless `to_decode` is False: the proxy lost
         it), to decode with the answer's kv_transfer_params."""
-        self.prefill.add(req_id, prompt, {"do_remote_decode": True}, max_tokens=1)
+        ask = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None}  # as vLLM's examples
+        self.prefill.add(req_id, prompt, ask, max_tokens=1)
         while req_id not in self.prefill.answers:
             self.prefill.step()
         if to_decode:
