@@ -222,3 +222,74 @@ def test_a_room_paired_with_another_prompt_fails_instead_of_landing(make_pair: C
     pair.run()
     assert not pair.intact and not pair.corrupt  # decode recomputed the prompt itself
     assert_clean(pair)
+
+
+# ---- vLLM's sequential flow: prefill first, its answer's kv_transfer_params handed to decode -----------------------
+
+
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 1), (1, 2)], ids=["2to1", "1to2"])
+def test_in_the_sequential_flow_decode_gets_the_prompts_kv_from_the_blocks_prefill_held_for_it(
+    make_pair: Callable[..., Pair], prefill_tp: int, decode_tp: int
+) -> None:
+    pair = make_pair(prefill_tp, decode_tp)
+    for i in range(2):
+        pair.send_sequential(f"s{i}", prompt(200 + i, 100 + 30 * i))
+        answer = pair.prefill.answers[f"s{i}"]
+        assert answer is not None and answer["do_remote_prefill"] is True
+        assert (answer["kvstage_peer"], answer["kvstage_peer_tp"]) == ("P", prefill_tp)
+        assert f"s{i}" in pair.prefill.live, "prefill freed the blocks before decode took the KV"
+    pair.run()
+    assert pair.intact == {"s0", "s1"}
+    assert_clean(pair)
+
+
+def test_in_the_sequential_flow_prefill_frees_the_blocks_at_the_deadline_when_decode_does_not_come_in_time(
+    make_pair: Callable[..., Pair],
+) -> None:
+    pair = make_pair(room_timeout_s=3.0)
+    pair.send_sequential("lost", prompt(210, 120), to_decode=False)  # the proxy lost prefill's answer
+    assert "lost" in pair.prefill.live  # held for decode, whose ranks would attach within the deadline
+    pair.run(until=[pair.prefill], timeout_s=30.0)  # the room fails at its deadline; vLLM frees the blocks
+    for worker in pair.prefill.workers:
+        agent = worker._agent
+        assert agent is not None and agent.metrics.value("kvstage_room_failures_total", reason="timeout") == 1
+    pair.prefill.assert_clean()
+    # the answer reaches decode after all: prefill aborts the room it remembers, and decode computes the prompt
+    pair.decode.add("lost", prompt(210, 120), pair.prefill.answers["lost"], max_tokens=3)
+    pair.run(timeout_s=10.0)  # well before decode's own room deadline (20 s)
+    assert "lost" not in pair.intact
+    assert_clean(pair)
+
+
+#: kv_transfer_params of vLLM's sequential flow that a client can get wrong, and the instance they are sent to
+BAD_SEQUENTIAL: dict[str, tuple[str, dict[str, object]]] = {
+    "flag-str": ("prefill", {"do_remote_decode": "yes"}),
+    "both-flows": ("prefill", {"do_remote_decode": True, "kvstage_room": 5, "kvstage_peer": "D", "kvstage_peer_tp": 1}),
+    "both-flags": ("prefill", {"do_remote_decode": True, "do_remote_prefill": True}),
+    "answer-to-prefill": (
+        "prefill",
+        {"do_remote_prefill": True, "kvstage_room": 5, "kvstage_peer": "P", "kvstage_peer_tp": 2},
+    ),
+    "decode-asked-to-prefill": ("decode", {"do_remote_decode": True}),
+    "other-connector": ("decode", {"do_remote_prefill": True, "remote_engine_id": "x", "remote_block_ids": [1]}),
+    "answer-tampered": (
+        "decode",
+        {"do_remote_prefill": True, "kvstage_room": 5, "kvstage_peer": "P", "kvstage_peer_tp": "2"},
+    ),
+}
+
+
+def test_bad_sequential_flow_params_are_refused_counted_and_the_request_runs_without_kvstage(
+    make_pair: Callable[..., Pair],
+) -> None:
+    pair = make_pair()
+    for name, (role, params) in BAD_SEQUENTIAL.items():
+        engine = pair.prefill if role == "prefill" else pair.decode
+        engine.add(name, prompt(220, 40), params, max_tokens=1 if role == "prefill" else 2)
+    pair.run()
+    for engine in (pair.prefill, pair.decode):
+        refused = sum(role == engine.role for role, _ in BAD_SEQUENTIAL.values())
+        assert engine.scheduler.connector.refused["bad params"] == refused
+        assert not engine.rooms
+    assert not any(pair.prefill.answers.values()), "prefill answered kv_transfer_params for a refused request"
+    assert_clean(pair)

@@ -23,7 +23,15 @@ from typing import Any
 
 import torch
 from vllm import SamplingParams
-from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm.config import (
+    CacheConfig,
+    DeviceConfig,
+    KVTransferConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    VllmConfig,
+)
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
@@ -71,6 +79,7 @@ class Engine:
     rooms: dict[int, str] = field(default_factory=dict)  # every room a worker was told of -> its request
     preemptions: int = 0
     reported: Counter[str] = field(default_factory=Counter)  # (finished_sending / recving ids, all ranks)
+    answers: dict[str, dict[str, Any] | None] = field(default_factory=dict)  # finished request -> kv_transfer_params
     _pending: Counter[tuple[str, str]] = field(default_factory=Counter)
     _prompts: dict[str, list[int]] = field(default_factory=dict)
     _unprocessed: list[tuple[Any, ModelRunnerOutput]] = field(default_factory=list)
@@ -100,6 +109,7 @@ class Engine:
                 kv_connector_extra_config=extra,
             ),
             device_config=DeviceConfig("cpu"),
+            parallel_config=ParallelConfig(tensor_parallel_size=self.tp),
         )
         config.cache_config.num_gpu_blocks = self.num_blocks
         heads = config.model_config.get_total_num_kv_heads()
@@ -156,7 +166,7 @@ class Engine:
     def drain(self) -> None:
         """Async scheduling: hand the scheduler the output of the last step it has not seen yet."""
         while self._unprocessed:
-            self.scheduler.update_from_output(*self._unprocessed.pop(0))
+            self._update(*self._unprocessed.pop(0))
 
     # ---- one step ---------------------------------------------------------------------------------------------
 
@@ -197,8 +207,15 @@ class Engine:
             )
         )
         if not self.async_scheduling or len(self._unprocessed) > 1:  # async: step N's output after N+1 is scheduled
-            self.scheduler.update_from_output(*self._unprocessed.pop(0))
+            self._update(*self._unprocessed.pop(0))
         return received
+
+    def _update(self, out: Any, runner_output: ModelRunnerOutput) -> None:
+        """vLLM's `update_from_output`; the kv_transfer_params of each request that finished are its answer."""
+        for outputs in self.scheduler.update_from_output(out, runner_output).values():
+            for output in outputs.outputs:
+                if output.finish_reason is not None:
+                    self.answers[output.request_id] = output.kv_transfer_params
 
     def _room(self, room: int, req_id: str) -> None:
         owner = self.rooms.setdefault(room, req_id)
@@ -296,6 +313,17 @@ class Pair:
         """What the router does: the prompt to prefill (one token) and to decode, with the same room."""
         self.prefill.add(req_id, prompt, self.params(room, self.prefill), max_tokens=1)
         self.decode.add(req_id, prompt, self.params(room, self.decode), max_tokens=decode_max_tokens)
+
+    def send_sequential(self, req_id: str, prompt: list[int], *, to_decode: bool = True) -> None:
+        """What a proxy of vLLM's sequential flow does: the prompt to prefill alone (one token, with
+        `do_remote_decode`), then, once prefill answered (and unless `to_decode` is False: the proxy lost
+        it), to decode with the answer's kv_transfer_params."""
+        ask = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None}  # as vLLM's examples
+        self.prefill.add(req_id, prompt, ask, max_tokens=1)
+        while req_id not in self.prefill.answers:
+            self.prefill.step()
+        if to_decode:
+            self.decode.add(req_id, prompt, self.prefill.answers[req_id], max_tokens=3)
 
     def step(self) -> None:
         self.prefill.step()

@@ -247,9 +247,18 @@ def expect(
 
 
 def attach(
-    pump: Pump, room: int, num_tokens: int, *, deadline: float = 30.0, instance: int = 0, prompt: bytes = b""
+    pump: Pump,
+    room: int,
+    num_tokens: int,
+    *,
+    deadline: float = 30.0,
+    instance: int = 0,
+    prompt: bytes = b"",
+    decode_tp: int | None = None,
 ) -> None:
-    decode_tp = len(decode_names(pump))
+    """Attach `room` on every prefill rank of the instance, for the pump's decode TP unless `decode_tp` says
+    otherwise (0: not known yet, learned from decode's Metadata)."""
+    decode_tp = len(decode_names(pump)) if decode_tp is None else decode_tp
     for name in prefill_names(pump, instance):
         pump.call(name, AttachRoom(room, num_tokens, decode_tp, deadline, prompt))
 

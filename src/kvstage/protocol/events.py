@@ -57,7 +57,11 @@ class AttachRoom:
 
     The prefill endpoint then waits for Metadata from every decode rank it writes to (none, if this rank's heads
     are all served by replicas: the room then succeeds at once). `prompt` is the digest of the prompt the engine
-    computes (empty: unchecked); a decode rank whose Metadata names another prompt fails the room."""
+    computes (empty: unchecked); a decode rank whose Metadata names another prompt fails the room.
+
+    `decode_tp` 0: the decode instance is not known yet (vLLM's sequential flow, where decode hears of the request
+    only after prefill has computed it); the first decode rank's Metadata fixes it, and every later one must agree.
+    Until then the room waits, holding its pages, for Metadata or its deadline."""
 
     room: int
     num_tokens: int

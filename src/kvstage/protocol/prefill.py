@@ -128,14 +128,12 @@ class PrefillEndpoint(EndpointCore):
         if event.num_tokens < 1:
             raise InvalidRequest(f"room {event.room}: num_tokens must be positive, got {event.num_tokens}")
         try:
-            targets = transfers_of_writer(cfg.layout.num_kv_heads, cfg.tp_size, event.decode_tp, cfg.rank)
+            targets = self._targets(event.decode_tp)
         except ConfigError as exc:
             raise InvalidRequest(f"room {event.room}: decode_tp={event.decode_tp} is unusable: {exc}") from exc
         self.stats.rooms_opened += 1
-        r = WriterRoom(
-            event.room, event.num_tokens, event.decode_tp, event.deadline, frozenset(targets), prompt=event.prompt
-        )
-        if not r.targets:  # every head this rank holds is written by a replica
+        r = WriterRoom(event.room, event.num_tokens, event.decode_tp, event.deadline, targets, prompt=event.prompt)
+        if event.decode_tp and not r.targets:  # every head this rank holds is written by a replica
             self._succeed(r, _T.ATTACH_NOTHING)
             return
         PREFILL_ROOM.move(r, _T.ATTACH, r.room)
@@ -145,6 +143,13 @@ class PrefillEndpoint(EndpointCore):
             peer = self._peers.get(peer_id)
             if peer is not None:
                 self._adopt(r, peer, metadata)
+
+    def _targets(self, decode_tp: int) -> frozenset[int]:
+        """The decode ranks this rank writes to for a decode instance of TP `decode_tp` (0: not known yet)."""
+        if not decode_tp:
+            return frozenset()
+        cfg = self.config
+        return frozenset(transfers_of_writer(cfg.layout.num_kv_heads, cfg.tp_size, decode_tp, cfg.rank))
 
     def _on_compute_scheduled(self, event: ComputeScheduled) -> None:
         r = self._engine_room(event.room)
@@ -229,7 +234,9 @@ class PrefillEndpoint(EndpointCore):
         if not PREFILL_ROOM.can(r, _T.METADATA):
             self._send(peer.peer_id, Abort(room=r.room, reason=r.reason))  # no link, so no write to it
             return
-        problem = attached_metadata_problem(self.config, m, r.num_tokens, r.decode_tp, r.ranks, r.prompt)
+        problem = attached_metadata_problem(self.config, m, r.num_tokens, r.decode_tp or m.decode_tp, r.ranks, r.prompt)
+        if problem is None and not r.decode_tp:  # the first decode rank's Metadata says decode's TP size
+            r.decode_tp, r.targets = m.decode_tp, self._targets(m.decode_tp)
         if problem is not None:
             self.stats.reject(problem)
             self._send(peer.peer_id, Abort(room=r.room, reason=reasons.BAD_METADATA))

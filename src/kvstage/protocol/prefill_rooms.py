@@ -74,9 +74,9 @@ class Link:
 class WriterRoom:
     room: int
     num_tokens: int
-    decode_tp: int
+    decode_tp: int  # 0 until the first decode rank's Metadata says it (AttachRoom without a decode TP)
     deadline: float
-    targets: frozenset[int]  # decode ranks this rank writes to
+    targets: frozenset[int]  # decode ranks this rank writes to (known with decode_tp)
     links: dict[str, Link] = field(default_factory=dict)  # by decode peer id
     ranks: dict[int, str] = field(default_factory=dict)  # decode rank -> peer id of its link
     scheduled: int = 0  # tokens the engine is computing or has computed

@@ -140,7 +140,8 @@ class PrefillAgent(BaseAgent):
 
     def attach_room(self, room: int, num_tokens: int, decode_tp: int, timeout_s: float, prompt: bytes = b"") -> None:
         """This rank computes `room` (`num_tokens` tokens, whose digest is `prompt`; empty: unchecked) for a decode
-        instance of TP `decode_tp`."""
+        instance of TP `decode_tp` (0: not known yet, the first decode rank's Metadata says it; the room holds its
+        pages until decode's ranks attach or `timeout_s` has passed)."""
         self._events.put(AttachRoom(room, num_tokens, decode_tp, time.monotonic() + timeout_s, prompt))
 
     def compute_scheduled(self, room: int, end_tokens: int) -> None:

@@ -5,8 +5,9 @@ WORKER). It holds the checked settings and delegates: scheduler hooks to `schedu
 to `worker.WorkerSide`. Each primitive, with the side that calls it:
 
     scheduler  on_new_request (params checked, a room per request)  get_num_new_matched_tokens
-               update_state_after_alloc  build_connector_meta  request_finished  update_connector_output
-               has_pending_push_work  bind_kv_cache_manager
+               update_state_after_alloc  build_connector_meta  request_finished (prefill, vLLM's sequential flow:
+               the kv_transfer_params decode needs)  update_connector_output  has_pending_push_work
+               bind_kv_cache_manager
     worker     register_kv_caches  handle_preemptions (preempted requests' blocks reclaimed, before the forward)
                bind_connector_metadata (rooms start here, before the forward)
                start_load_kv / wait_for_layer_load / save_kv_layer (no-ops: kvstage moves KV off the forward path)
@@ -38,7 +39,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvstage.errors import ConfigError
 from kvstage.integrations.vllm.metadata import StepMetadata
-from kvstage.integrations.vllm.scheduler import SchedulerSide
+from kvstage.integrations.vllm.scheduler import Instance, SchedulerSide
 from kvstage.integrations.vllm.settings import ConnectorSettings
 from kvstage.integrations.vllm.worker import EngineFacts, Results, WorkerSide
 
@@ -98,7 +99,8 @@ class KVStageConnector(KVConnectorBase_V1):
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = SchedulerSide(producer, vllm_config.cache_config.block_size)
+            instance = scheduler_instance(vllm_config, settings.instance)
+            self._scheduler = SchedulerSide(producer, vllm_config.cache_config.block_size, instance)
         else:
             self._worker = WorkerSide(settings, engine_facts(vllm_config, producer))
 
@@ -202,6 +204,14 @@ class KVStageConnector(KVConnectorBase_V1):
         if self._scheduler is None:
             raise ConfigError("kvstage: a scheduler hook was called on a worker's connector")
         return self._scheduler
+
+
+def scheduler_instance(vllm_config: VllmConfig, name: str) -> Instance:
+    """The instance the scheduler side serves. vLLM's sequential flow needs every prefill rank to write to some
+    decode rank, whatever decode's TP size: a rank whose heads a replica writes would never hear of decode."""
+    tp, heads = vllm_config.parallel_config.tensor_parallel_size, vllm_config.model_config.get_total_num_kv_heads()
+    replicated = f"prefill TP {tp} > {heads} KV heads (replicated heads) is not served in vLLM's sequential flow"
+    return Instance(name, tp, replicated if tp > heads else "")
 
 
 def engine_facts(vllm_config: VllmConfig, producer: bool) -> EngineFacts:

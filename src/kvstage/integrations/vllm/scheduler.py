@@ -17,6 +17,9 @@ scheduler hooks into per-step records for the workers (`metadata.StepMetadata`):
                            kvstage); request_finished: an attached room's blocks stay until every worker has
                            seen its outcome (`sending`; vLLM frees them when get_finished reports the request
                            sent); a request given up before it attached -> AbortRoom (decode hears it at once).
+                           vLLM's sequential flow (`do_remote_decode`): the room is drawn here, attached without a
+                           decode TP, and request_finished answers `params.handoff_params` for the client to hand
+                           to decode; the blocks stay until decode's ranks took the KV or the room's deadline.
 
 Invariants: no hook raises (a failure is logged, counted, and the request runs without kvstage; a decode request
 already promised remote KV is reported failed so that vLLM recomputes it); a room id is given to one request only;
@@ -28,13 +31,22 @@ from __future__ import annotations
 
 import functools
 import logging
+import secrets
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvstage.integrations.vllm.metadata import AbortRoom, ComputeStep, ExpectRoom, StepMetadata
-from kvstage.integrations.vllm.params import RoomParams, child_room, parse_params, prompt_digest
+from kvstage.integrations.vllm.params import (
+    MAX_ROOM,
+    RemoteDecode,
+    RoomParams,
+    child_room,
+    handoff_params,
+    parse_params,
+    prompt_digest,
+)
 from kvstage.layout import pages_for
 
 if TYPE_CHECKING:
@@ -60,6 +72,16 @@ class Ticket:
     @property
     def siblings(self) -> tuple[int, bytes]:
         return self.params.room, self.prompt
+
+
+@dataclass(frozen=True, slots=True)
+class Instance:
+    """The instance a scheduler side serves: its name and TP size (prefill names them in its sequential-flow
+    answer), and why it cannot serve vLLM's sequential flow ('' when it can)."""
+
+    name: str
+    tp_size: int
+    no_sequential: str = ""
 
 
 @dataclass(slots=True)
@@ -91,9 +113,10 @@ def _never_raises(default: Callable[[], _R]) -> Callable[[Callable[..., _R]], Ca
 class SchedulerSide:
     """See the module docstring. One per vLLM engine (scheduler process)."""
 
-    def __init__(self, is_producer: bool, block_size: int) -> None:
+    def __init__(self, is_producer: bool, block_size: int, instance: Instance) -> None:
         self._producer = is_producer
         self._block_size = block_size
+        self._instance = instance
         self._kv_cache_manager: KVCacheManager | None = None
         self._next = StepMetadata()
         self._tickets: dict[str, Ticket | None] = {}  # every live request: its ticket, or None (no kvstage)
@@ -121,7 +144,9 @@ class SchedulerSide:
         req_id = request.request_id
         if req_id in self._tickets:
             return self._tickets[req_id]
-        parsed = parse_params(request.kv_transfer_params)
+        parsed = parse_params(request.kv_transfer_params, self._producer)
+        if isinstance(parsed, RemoteDecode):
+            parsed = self._sequential_room()
         ticket = None
         if isinstance(parsed, str):
             self.errors["bad params"] += 1
@@ -135,6 +160,12 @@ class SchedulerSide:
             log.debug("kvstage: request %s has room %d (router room %d)", req_id, ticket.room, parsed.room)
         self._tickets[req_id] = ticket
         return ticket
+
+    def _sequential_room(self) -> RoomParams | str:
+        """A prefill request of vLLM's sequential flow: a room of its own, for a decode not known yet."""
+        if self._instance.no_sequential:
+            return f"do_remote_decode: {self._instance.no_sequential}"
+        return RoomParams(secrets.randbelow(MAX_ROOM) + 1, "", 0)
 
     def _release_ticket(self, req_id: str) -> Ticket | None:
         """The finished request's ticket, forgotten (with its siblings' count once the last of them is gone)."""
@@ -220,11 +251,16 @@ class SchedulerSide:
                 # blocks, and decode's ranks learn it now instead of at the room's deadline
                 self._next.abort.append(AbortRoom(req_id, ticket.room))
             return False, None
-        if request.status.name == "FINISHED_ABORTED" or request.num_computed_tokens < prefill.num_tokens:
-            self._next.abort.append(AbortRoom(req_id, prefill.ticket.room))
         self._sending.add(req_id)
         self._next.sending.append(req_id)
-        return True, None
+        if request.status.name == "FINISHED_ABORTED" or request.num_computed_tokens < prefill.num_tokens:
+            self._next.abort.append(AbortRoom(req_id, prefill.ticket.room))
+            return True, None
+        params = prefill.ticket.params
+        if not params.sequential:
+            return True, None
+        log.debug("kvstage: request %s holds its blocks for decode, room %d", req_id, prefill.ticket.room)
+        return True, handoff_params(params.room, self._instance.name, self._instance.tp_size)
 
     @_never_raises(lambda: None)
     def update_connector_output(self, output: KVConnectorOutput) -> None:
