@@ -12,11 +12,14 @@ deadline mapped with it is never later on the device than on the host: the devic
 refreshed every `RECALIBRATE_S` and the device deadline is taken `MARGIN_NS` early; a calibration that cannot bound
 the offset within `MAX_ROUND_TRIP_NS` is retried, and one that never can raises `TransportError`.
 
-Called by transport/data/cuda_ipc.py, on its launcher thread only (one clock per transport).
+The kernel is compiled once per element width (no specialisation on alignment or length), when the clock is made.
+Called by transport/data/cuda_ipc.py: a clock per GPU a transport writes from, made when a GPU region is allocated
+or registered there, read (and recalibrated) on its launcher thread.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 
 import torch
@@ -49,7 +52,7 @@ def _read_clock_kernel(out_ptr):  # type: ignore[no-untyped-def]
     tl.store(out_ptr, globaltimer())
 
 
-@triton.jit  # type: ignore[untyped-decorator]
+@triton.jit(do_not_specialize=["n", "deadline"], do_not_specialize_on_alignment=["src_ptr", "dst_ptr"])  # type: ignore[untyped-decorator]
 def _bounded_copy_kernel(src_ptr, dst_ptr, n, deadline, skipped_ptr, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
     """Program p copies items [p * BLOCK, (p + 1) * BLOCK) of `n`, unless `%globaltimer` has passed `deadline` when
     it starts: then it stores nothing and adds one to `skipped`."""
@@ -62,15 +65,30 @@ def _bounded_copy_kernel(src_ptr, dst_ptr, n, deadline, skipped_ptr, BLOCK: tl.c
 
 
 class DeviceClock:
-    """The offset of one GPU's `%globaltimer` from the host's `time.monotonic()`, bounded from below."""
+    """The offset of one GPU's `%globaltimer` from the host's `time.monotonic()`, bounded from below. Made when a
+    transport first meets the GPU (at registration, not on a write): it compiles the copy kernel for every element
+    width there, so that no write's deadline ever runs out while Triton compiles."""
 
     def __init__(self, device: torch.device) -> None:
         self._device = device
+        self._lock = threading.Lock()
         self._stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
         self._out = torch.zeros(1, dtype=torch.int64, device=device)
         self._host = torch.zeros(1, dtype=torch.int64, pin_memory=True)  # read without a blocking device copy
         self._offset_ns = 0
         self._calibrated = -RECALIBRATE_S
+        self._compile()
+        self.calibrate()
+
+    def _compile(self) -> None:
+        """One small copy per element width, with no deadline to speak of, on this clock's stream."""
+        buffers = torch.zeros(2, 64, dtype=torch.uint8, device=self._device)
+        skipped = torch.zeros(1, dtype=torch.int32, device=self._device)
+        with torch.cuda.stream(self._stream):
+            for width in _WIDTHS:
+                bounded_copy(buffers[1, : width.itemsize], buffers[0, : width.itemsize], 2**62, skipped)
+            _read_clock_kernel[(1,)](self._out)
+        self._stream.synchronize()
 
     def deadline_ns(self, host_deadline_s: float) -> int:
         """The device-clock reading by which a copy must stop to stop by `host_deadline_s` (a `time.monotonic()`
@@ -83,7 +101,7 @@ class DeviceClock:
         """Read the device clock between two host readings on a stream of its own (a host wait of tens of
         microseconds on the calling thread); keep the tightest lower bound of the offset of `_TRIES` readings."""
         best: int | None = None
-        with torch.cuda.stream(self._stream):
+        with self._lock, torch.cuda.stream(self._stream):
             for _ in range(_TRIES):
                 before = time.monotonic_ns()
                 _read_clock_kernel[(1,)](self._out)
@@ -93,10 +111,10 @@ class DeviceClock:
                 if after - before <= MAX_ROUND_TRIP_NS:
                     low = int(self._host[0]) - after
                     best = low if best is None else max(best, low)
-        if best is None:
-            raise TransportError(f"cannot map {self._device}'s clock to the host's: every reading took over 2 ms")
-        self._offset_ns = best
-        self._calibrated = time.monotonic()
+            if best is None:
+                raise TransportError(f"cannot map {self._device}'s clock to the host's: every reading took over 2 ms")
+            self._offset_ns = best
+            self._calibrated = time.monotonic()
 
 
 def bounded_copy(dst: torch.Tensor, src: torch.Tensor, deadline_ns: int, skipped: torch.Tensor) -> None:

@@ -268,10 +268,15 @@ class CudaIpcTransport(DataTransport):
             tensor.zero_()
             torch.cuda.current_stream(device).synchronize()  # at allocation only: peers write it on their streams
         self._owned[tensor.data_ptr()] = _Owned(handle, nbytes, str(torch.cuda.get_device_properties(device).uuid))
+        if self.config.max_write_s is not None:
+            self._clock(device)  # a staging slab is a write source: its device's clock and kernels, now
         return tensor
 
     def _register(self, region: LocalRegion) -> None:
-        """Any tensor (GPU or host) can be a write source; only `allocate`d regions can be exported."""
+        """Any tensor (GPU or host) can be a write source; only `allocate`d regions can be exported. A GPU source's
+        device gets its clock (and the bounded copy its compiled kernels) now, not on the first write."""
+        if region.tensor.is_cuda and self.config.max_write_s is not None:
+            self._clock(region.tensor.device)
 
     def _unregister(self, region: LocalRegion) -> None:
         self._owned.pop(region.address, None)
@@ -390,10 +395,14 @@ class CudaIpcTransport(DataTransport):
         return _InFlight(launch.transfer_id, event, len(launch.slices), reason, skipped_host)
 
     def _clock(self, device: torch.device) -> DeviceClock:
+        """The clock of `device`, made on first use (at registration: `_register`)."""
         index = torch.cuda.current_device() if device.index is None else device.index
-        clock = self._clocks.get(index)
+        with self._flights:
+            clock = self._clocks.get(index)
         if clock is None:
-            clock = self._clocks[index] = DeviceClock(torch.device("cuda", index))
+            clock = DeviceClock(torch.device("cuda", index))
+            with self._flights:
+                clock = self._clocks.setdefault(index, clock)
         return clock
 
     def _stream(self, device: torch.device) -> torch.cuda.Stream:
