@@ -353,8 +353,8 @@ class CudaIpcTransport(DataTransport):
         while (launch := self._launches.get()) is not None:
             try:
                 flight = self._launch(launch)
-            except (RuntimeError, TransportError) as err:
-                log.warning("transfer %d into %s failed: %s", launch.transfer_id, launch.where, err)
+            except Exception as err:  # CUDA, Triton or clock errors: this write fails, the thread goes on
+                log.exception("transfer %d into %s failed", launch.transfer_id, launch.where)
                 self._fail(Completion(launch.transfer_id, False, f"cuda_ipc write into {launch.where}: {err}",
                                       len(launch.slices)))  # fmt: skip
                 continue
