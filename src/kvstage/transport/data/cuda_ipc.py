@@ -44,6 +44,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import msgspec
 import torch
@@ -59,8 +60,10 @@ from kvstage.transport.data.base import (
     TransportConfig,
     WriteBound,
 )
-from kvstage.transport.data.bounded_copy import PROGRAM_BYTES, DeviceClock, bounded_copy
 from kvstage.transport.data.local import pid_alive
+
+if TYPE_CHECKING:
+    from kvstage.transport.data.bounded_copy import DeviceClock
 
 log = logging.getLogger(__name__)
 
@@ -236,7 +239,12 @@ class CudaIpcTransport(DataTransport):
     def __init__(self, config: TransportConfig) -> None:
         if not torch.cuda.is_available():
             raise TransportUnavailable("the cuda_ipc backend needs a CUDA GPU, and torch sees none on this machine")
+        try:
+            from kvstage.transport.data import bounded_copy
+        except ImportError as err:
+            raise TransportUnavailable(f"the cuda_ipc backend needs Triton (in torch's CUDA builds): {err}") from err
         super().__init__(config)
+        self._bounded = bounded_copy
         self._cuda = _cuda()
         self._owned: dict[int, _Owned] = {}
         self._targets: dict[int, _Target] = {}
@@ -381,7 +389,7 @@ class CudaIpcTransport(DataTransport):
                 if skipped is None:
                     dst.copy_(src, non_blocking=True)
                 else:
-                    bounded_copy(dst, src, deadline, skipped)
+                    self._bounded.bounded_copy(dst, src, deadline, skipped)
             return ""
 
         with torch.cuda.stream(stream):
@@ -400,7 +408,7 @@ class CudaIpcTransport(DataTransport):
         with self._flights:
             clock = self._clocks.get(index)
         if clock is None:
-            clock = DeviceClock(torch.device("cuda", index))
+            clock = self._bounded.DeviceClock(torch.device("cuda", index))
             with self._flights:
                 clock = self._clocks.setdefault(index, clock)
         return clock
@@ -426,7 +434,7 @@ class CudaIpcTransport(DataTransport):
                 done.append(Completion(write.transfer_id, False, reason, write.ops))
                 continue
             if landed:
-                reason = write.reason or _late(write)
+                reason = write.reason or _late(write, self._bounded.PROGRAM_BYTES)
                 done.append(Completion(write.transfer_id, not reason, reason, write.ops))
             else:
                 still.append(write)
@@ -448,12 +456,12 @@ class CudaIpcTransport(DataTransport):
         self._owned.clear()
 
 
-def _late(write: _InFlight) -> str:
+def _late(write: _InFlight, program_bytes: int) -> str:
     """`LATE_ON_DEVICE` if some program of the write's bounded copies stored nothing (its event has completed, so
     the page-locked count is final), else ""."""
     if write.skipped is None or int(write.skipped[0]) == 0:
         return ""
-    return f"{LATE_ON_DEVICE} ({int(write.skipped[0])} blocks of {PROGRAM_BYTES} bytes not written)"
+    return f"{LATE_ON_DEVICE} ({int(write.skipped[0])} blocks of {program_bytes} bytes not written)"
 
 
 def _decode_ref(descriptor: RegionDescriptor) -> _IpcRef:
