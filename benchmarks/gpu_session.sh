@@ -8,7 +8,8 @@
 # backend on GPU memory (needs a NIXL wheel for the host's CUDA in .whl/, nixl-cu13 on the lent H200s), and
 # ncu_scatter, Nsight Compute on one launch each of a copy kernel, the scatter and the gather: the report's raw
 # metrics in $OUT/ncu_raw.csv, the key ones in the log; sharing, what N processes on one GPU cost each small
-# operation; bench_p1d1 and bench_chunk2048, the bench with 2 processes, and with 4x fewer, 4x larger chunks).
+# operation; bench_p1d1 and bench_chunk2048, the bench with 2 processes, and with 4x fewer, 4x larger chunks;
+# step_time, the vLLM connector's host time per engine step, benchmarks/connector_step_time.py).
 set -u -o pipefail
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -43,9 +44,10 @@ STEPS=("$@")
 for STEP in "${STEPS[@]}"; do
     case $STEP in
     tests) step tests 270 python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts="" --timeout 120 \
-        tests/transport/test_cuda_ipc.py tests/transport/test_nixl_vram.py tests/runtime/test_gpu_agents.py \
-        tests/dataplane/test_kernels_gpu.py \
+        tests/transport/test_cuda_ipc.py tests/transport/test_cuda_ipc_late_copies.py tests/transport/test_nixl_vram.py \
+        tests/runtime/test_gpu_agents.py tests/dataplane/test_kernels_gpu.py tests/integrations/test_vllm_worker_gpu.py \
         tests/dataplane/test_dataplane_roundtrip.py tests/runtime/test_agents.py ;;
+    step_time) step step_time 240 python3 benchmarks/connector_step_time.py --runs 7 ;;
     gs_device) step gs_device 100 $GS --runs 7 --repeats 10 --batch 10 ;;
     gs_call) step gs_call 70 $GS --runs 7 --repeats 20 ;;
     gs_shapes) step gs_shapes 120 bash -c "$GS --page-size 1 64 --runs 5 --repeats 10 --batch 10 &&

@@ -6,11 +6,12 @@ These run without starting vLLM; the connector's behaviour with real vLLM server
 from __future__ import annotations
 
 import pytest
+import torch
 
 from kvstage.dataplane.engine_kv import KVCacheFormat
 from kvstage.errors import ConfigError
 from kvstage.integrations.vllm.settings import ConnectorSettings
-from kvstage.integrations.vllm.worker import cpu_format
+from kvstage.integrations.vllm.worker import cpu_format, staging_note
 
 
 def test_settings_take_their_types_from_the_extra_config_strings_included() -> None:
@@ -52,3 +53,11 @@ def test_the_cpu_kernels_whose_layout_kvstage_reads_map_to_the_vllm_cpu_format(i
 def test_a_cpu_kernel_with_another_cache_layout_is_refused_at_start(isa: str) -> None:
     with pytest.raises(ConfigError, match=f"'{isa}'"):
         cpu_format(isa)
+
+
+def test_cuda_ipc_is_a_connector_backend_and_host_staging_is_named_as_the_fallback() -> None:
+    assert ConnectorSettings.from_extra_config({"instance": "P", "backend": "cuda_ipc"}).backend == "cuda_ipc"
+    gpu, host = torch.device("cuda", 0), torch.device("cpu")
+    assert "device memory on cuda:0" in staging_note(gpu, gpu, "cuda_ipc")
+    assert "fallback: backend mooncake" in staging_note(host, gpu, "mooncake")
+    assert staging_note(host, host, "local") == "host staging"

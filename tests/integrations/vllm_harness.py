@@ -9,7 +9,8 @@ function of the token and its position only), `wait_for_save`, `get_transfer_res
 as vLLM's output aggregator does), then `update_from_output` with one sampled token for each request that finished
 its prompt. vLLM's scheduler asserts on what a connector reports (a finished id that is not a live request kills a
 real engine); the harness adds the checks of issue 21: every block back in the pool, no room shared by two
-requests, and decode's blocks hold, for every room that succeeded, exactly the KV of its prompt.
+requests, and decode's blocks hold, for every room that succeeded, exactly the KV of its prompt. Every step is also
+recorded (`Pair.trace`, `worker_replay.Step`), so the worker half can be replayed where vLLM is not installed.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import torch
 from vllm import SamplingParams
 from vllm.config import (
@@ -40,9 +42,10 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCache
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
+from worker_replay import Check, Step, Trace
 
 from kvstage.dataplane.engine_kv import EngineKV, KVCacheFormat
-from kvstage.integrations.vllm.metadata import StepMetadata
+from kvstage.integrations.vllm.metadata import StepRecords
 from kvstage.integrations.vllm.settings import ConnectorSettings
 from kvstage.integrations.vllm.worker import EngineFacts, WorkerSide
 from kvstage.layout import KVLayout, heads_of_rank
@@ -83,6 +86,8 @@ class Engine:
     _pending: Counter[tuple[str, str]] = field(default_factory=Counter)
     _prompts: dict[str, list[int]] = field(default_factory=dict)
     _unprocessed: list[tuple[Any, ModelRunnerOutput]] = field(default_factory=list)
+    steps: list[Step] = field(default_factory=list)  # every step as its workers saw and answered it
+    _writes: list[tuple[int, int, int, int]] = field(default_factory=list)  # this step's forward
 
     def __post_init__(self) -> None:
         init_none_hash(sha256)
@@ -175,7 +180,7 @@ class Engine:
         out = self.scheduler.schedule()
         self.preemptions += len(out.preempted_req_ids or ())
         meta = pickle.loads(pickle.dumps(out.kv_connector_metadata))  # vLLM broadcasts it to every worker
-        assert isinstance(meta, StepMetadata)
+        assert isinstance(meta, StepRecords)
         for expect in meta.expect:
             self._room(expect.room, expect.req_id)
         for compute in meta.compute:
@@ -189,6 +194,10 @@ class Engine:
         sending, recving, failed = self._transfer_results()
         received = recving - failed
         self.reported.update(sending | recving)
+        self.steps.append(
+            Step(self.role, meta, tuple(self._writes), *(tuple(sorted(ids)) for ids in (sending, recving, failed)))
+        )
+        self._writes.clear()
         sampled = self._sampled(out)
         self._unprocessed.append(
             (
@@ -234,6 +243,7 @@ class Engine:
                 self._write(blocks[pos // BLOCK], pos % BLOCK, tokens[pos], pos)
 
     def _write(self, block: int, slot: int, token: int, pos: int) -> None:
+        self._writes.append((block, slot, token, pos))
         for rank, kv in enumerate(self.kv):
             for local, head in enumerate(heads_of_rank(kv.layout.num_kv_heads, self.tp, rank)):
                 for layer in range(LAYERS):
@@ -304,6 +314,7 @@ class Pair:
     decode: Engine
     intact: set[str] = field(default_factory=set)  # decode requests whose KV arrived and matched the prompt
     corrupt: set[str] = field(default_factory=set)  # decode requests whose arrived KV did not
+    trace_steps: list[Step] = field(default_factory=list)  # both engines' steps, in the order they ran
 
     def params(self, room: int, to: Engine) -> dict[str, Any]:
         peer = self.decode if to is self.prefill else self.prefill
@@ -327,8 +338,21 @@ class Pair:
 
     def step(self) -> None:
         self.prefill.step()
+        self.trace_steps.append(self.prefill.steps[-1])
+        checks = []
         for req_id in self.decode.step():
-            (self.intact if self.decode.holds_prompt_kv(req_id) else self.corrupt).add(req_id)
+            if self.decode.holds_prompt_kv(req_id):
+                self.intact.add(req_id)
+                blocks = self.decode.scheduler.kv_cache_manager.get_block_ids(req_id)[0]
+                checks.append(Check(req_id, tuple(blocks), tuple(self.decode._prompts[req_id])))
+            else:
+                self.corrupt.add(req_id)
+        self.trace_steps.append(msgspec.structs.replace(self.decode.steps[-1], checks=tuple(checks)))
+
+    def trace(self) -> Trace:
+        """The run so far, as the worker half saw it (`worker_replay.Replay` plays it)."""
+        return Trace(self.prefill.tp, self.decode.tp, BLOCK, self.prefill.num_blocks, self.decode.num_blocks,
+                     tuple(self.trace_steps))  # fmt: skip
 
     def run(self, until: Iterable[Engine] = (), timeout_s: float = 60.0, extra_steps: int = 0) -> None:
         """Step both engines until neither holds a request (and the agents are quiet), then `extra_steps` more."""

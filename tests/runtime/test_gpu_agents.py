@@ -5,11 +5,13 @@ have landed (their CUDA events), with no stream or device synchronize on the way
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import pytest
 import torch
 from agent_outcomes import wait_outcomes
 
+from gpu_gate import StreamGate
 from kvstage.dataplane import KVPool
 from kvstage.errors import KVStageError, TransportUnavailable
 from kvstage.layout import KVLayout, heads_of_rank
@@ -28,8 +30,6 @@ pytestmark = [
 LAYOUT = KVLayout(num_layers=4, num_kv_heads=4, head_dim=64, dtype="bfloat16", page_size=16)
 TIMING = Timing(heartbeat_s=0.2, dead_after_s=10.0, retry_initial_s=0.02, retry_max_s=0.2)
 CHUNK, RING = 64, 1 << 22
-#: GPU cycles that keep a copy thread's stream busy (about 3 s at the H200's 1.98 GHz)
-HOLD_CYCLES = 6_000_000_000
 
 
 @pytest.fixture
@@ -106,13 +106,11 @@ def _warm_up(prefill: list[PrefillAgent], decode: list[DecodeAgent]) -> None:
         assert wait_outcomes(agent, 1, timeout=60)[100].ok
 
 
-def _hold_stream(stream: torch.cuda.Stream) -> torch.cuda.Event:
-    """Keep `stream` busy for HOLD_CYCLES GPU cycles; the event completes when it is free again."""
-    with torch.cuda.stream(stream):
-        torch.cuda._sleep(HOLD_CYCLES)
-        released = torch.cuda.Event()
-        released.record(stream)
-    return released
+def _until(condition: Callable[[], object], what: str, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting until {what}"
+        time.sleep(0.002)
 
 
 @pytest.mark.parametrize(
@@ -140,14 +138,13 @@ def test_a_chunks_ring_space_is_freed_only_once_its_scatter_has_landed(cluster):
     [reader] = decode
     assert reader.copier.stream is not None
     _warm_up(prefill, decode)
-    released = _hold_stream(reader.copier.stream)  # every scatter queues behind this
-    sides = _start_room(prefill, decode, 1, 128)
-    while not reader._landing:  # a scatter queued behind the held stream
-        assert not released.query(), "the held stream ran out before a scatter was queued: raise HOLD_CYCLES"
-        time.sleep(0.002)
-    while not released.query():
-        assert reader.snapshot().ring_live_bytes > 0 and not reader.poll(), "ring freed before the scatter landed"
-        time.sleep(0.01)
+    with StreamGate() as gate:
+        gate.hold(reader.copier.stream)  # every scatter queues behind the shut gate
+        sides = _start_room(prefill, decode, 1, 128)
+        _until(lambda: reader._landing, "a scatter is queued behind the gate")
+        for _ in range(20):
+            assert reader.snapshot().ring_live_bytes > 0 and not reader.poll(), "ring freed before the scatter landed"
+            time.sleep(0.01)
     assert wait_outcomes(reader, 1, timeout=30)[1].ok and _landed(decode, sides)
     assert reader.wait_quiescent(10) and reader.snapshot().ring_live_bytes == 0
 
@@ -157,15 +154,14 @@ def test_an_abort_during_a_scatter_gives_the_pages_back_only_after_that_scatter_
     [reader] = decode
     assert reader.copier.stream is not None
     _warm_up(prefill, decode)
-    released = _hold_stream(reader.copier.stream)
-    sides = _start_room(prefill, decode, 7, 128)
-    while not reader._landing:  # a scatter queued behind the held stream
-        assert not released.query(), "the held stream ran out before a scatter was queued: raise HOLD_CYCLES"
-        time.sleep(0.002)
-    reader.abort(7)
-    while not released.query():
-        assert not reader.poll(), "the failed room's pages went back while its scatter was still queued"
-        time.sleep(0.01)
+    with StreamGate() as gate:
+        gate.hold(reader.copier.stream)
+        sides = _start_room(prefill, decode, 7, 128)
+        _until(lambda: reader._landing, "a scatter is queued behind the gate")
+        reader.abort(7)
+        for _ in range(20):
+            assert not reader.poll(), "the failed room's pages went back while its scatter was still queued"
+            time.sleep(0.01)
     [outcome] = wait_outcomes(reader, 1, timeout=30).values()
     assert not outcome.ok and "abort" in outcome.reason
     assert sorted(outcome.pages) == sorted(sides["decode"][0])
@@ -179,17 +175,21 @@ def test_a_gather_waits_on_the_engines_ready_event_and_the_host_never_does(clust
     _warm_up(prefill, decode)
     [reader] = decode
     # the control first: the copy stream runs gathers in order, so a gather behind room 5's would wait too
-    sides = {room: _room_written_on_a_held_stream(prefill, reader, room, with_event) for room, with_event in
-             ((6, False), (5, True))}  # fmt: skip
-    outcomes = wait_outcomes(reader, 2, timeout=60)
+    with StreamGate() as gate:
+        sides = {room: _room_written_on_a_held_stream(prefill, reader, room, with_event, gate) for room, with_event
+                 in ((6, False), (5, True))}  # fmt: skip
+        control = wait_outcomes(reader, 1, timeout=60)  # room 6's gather did not wait for the engine's stream
+    outcomes = control | wait_outcomes(reader, 1, timeout=60)
     assert outcomes[5].ok and outcomes[6].ok, outcomes
     assert _landed(decode, sides[5]), "a gather read pages the engine had not written yet"
     assert not _landed(decode, sides[6]), "control: without the event the gather should read the pages too early"
 
 
-def _room_written_on_a_held_stream(prefill: list[PrefillAgent], reader: DecodeAgent, room: int, event: bool) -> dict:
-    """A room whose KV the engine writes on a stream of its own, behind a long kernel; kv_ready is called at once,
-    with the stream's event or (the control) without one."""
+def _room_written_on_a_held_stream(
+    prefill: list[PrefillAgent], reader: DecodeAgent, room: int, event: bool, gate: StreamGate
+) -> dict:
+    """A room whose KV the engine writes on a stream of its own, behind the shut `gate`; kv_ready is called at
+    once, with the stream's event or (the control) without one."""
     num_tokens, npages, tp = 128, 128 // LAYOUT.page_size, len(prefill)
     kv = torch.randint(0, 256, (2, LAYOUT.num_layers, num_tokens, LAYOUT.num_kv_heads, LAYOUT.head_bytes))
     kv = kv.to(torch.uint8)
@@ -201,7 +201,7 @@ def _room_written_on_a_held_stream(prefill: list[PrefillAgent], reader: DecodeAg
     slots = [writer.pool.slot_indices(pages, 0, num_tokens) for writer, pages in zip(prefill, src_pages, strict=True)]
     torch.cuda.synchronize()  # the slot indices are uploaded on the default stream
     engine = torch.cuda.Stream()
-    computed = _hold_stream(engine)  # the engine's forward is still running on its own stream...
+    gate.hold(engine)  # the engine's forward is still running on its own stream...
     for rank, writer in enumerate(prefill):
         heads = heads_of_rank(LAYOUT.num_kv_heads, tp, rank)
         with torch.cuda.stream(engine):  # ...and writes the room's KV at its end
@@ -213,7 +213,6 @@ def _room_written_on_a_held_stream(prefill: list[PrefillAgent], reader: DecodeAg
         writer.attach_room(room, num_tokens, 1, timeout_s=30)
         writer.compute_scheduled(room, num_tokens)
         writer.kv_ready(room, num_tokens, tuple(src_pages[rank]), ready if event else None)
-    assert not computed.query(), "the held stream ran out before kv_ready returned: raise HOLD_CYCLES"
     return {"kv": kv, "decode": [dst_pages]}
 
 
@@ -225,20 +224,23 @@ def test_after_reclaim_the_engines_next_writes_wait_for_the_gathers_already_queu
     copy, engine = torch.cuda.Stream(), torch.cuda.Stream()
     pages = {room: torch.full((1 << 20,), 1.0, device="cuda") for room in (1, 2)}
     gathered = {room: torch.zeros(1 << 20, device="cuda") for room in (1, 2)}
-    torch.cuda.synchronize()
-    for room in (1, 2):
-        claims.set_ready(room, _hold_stream(engine))  # this step's forward has not finished writing the KV yet
-        with torch.cuda.stream(copy), claims.reading(room, copy):
-            gathered[room].copy_(pages[room])  # the gather, queued behind the ready event
-    event = claims.reclaim(1)
-    assert event is not None and not event.query()
-    claims.reclaim(2)  # the control: its event is not waited on
-    nxt = torch.cuda.Stream()
-    nxt.wait_event(event)
-    with torch.cuda.stream(nxt):
-        pages[1].fill_(2.0)  # the next forward writes another request's KV into the reclaimed pages
-    with torch.cuda.stream(torch.cuda.Stream()):
-        pages[2].fill_(2.0)
+    gate = StreamGate()
+    with gate:
+        for room in (1, 2):
+            claims.set_ready(room, gate.hold(engine))  # this step's forward has not finished writing the KV yet
+            with torch.cuda.stream(copy), claims.reading(room, copy):
+                gathered[room].copy_(pages[room])  # the gather, queued behind the ready event
+        event = claims.reclaim(1)
+        assert event is not None and not event.query()
+        claims.reclaim(2)  # the control: its event is not waited on
+        nxt = torch.cuda.Stream()
+        nxt.wait_event(event)
+        with torch.cuda.stream(nxt):
+            pages[1].fill_(2.0)  # the next forward writes another request's KV into the reclaimed pages
+        control = torch.cuda.Stream()
+        with torch.cuda.stream(control):
+            pages[2].fill_(2.0)
+        control.synchronize()  # the control's reuse has landed while the gather still waits
     torch.cuda.synchronize()
     assert torch.all(gathered[1] == 1.0), "the gather read pages the engine had reused"
     assert torch.all(gathered[2] == 2.0), "control: without the wait the reuse should overtake the queued gather"

@@ -1,9 +1,10 @@
 """kvstage as vLLM's out-of-tree KV connector: `KVStageConnector` (any prefill TP to any decode TP).
 
 vLLM loads this module by path (`"kv_connector_module_path": "kvstage.integrations.vllm"`) and takes
-`KVStageConnector` from it. Importing it checks first that the installed vLLM has the connector interface the
+`KVStageConnector` from it. Taking it checks first that the installed vLLM has the connector interface the
 connector is written against (`KVConnectorBase_V1` with `get_transfer_results`, i.e. vLLM 0.32 or a build of the
-same interface), and fails with the version it found otherwise. See docs/vllm.md.
+same interface), and fails with the version it found otherwise. See docs/vllm.md. The package itself imports no
+vLLM: its worker half (`worker`, `metadata`, `settings`) also runs where vLLM is not installed (the GPU tests).
 """
 
 from __future__ import annotations
@@ -34,9 +35,6 @@ def _check_vllm() -> None:
         )
 
 
-_check_vllm()
-
-
 def _no_spin_if_asked() -> None:
     """`KVSTAGE_VLLM_NO_SPIN=1`: vLLM's shared-memory message queue, which spins on `sched_yield()` while it waits
     for the next step, sleeps 0.2 ms per turn instead. On a small CPU host (the demo's two cores) the spinning
@@ -57,8 +55,15 @@ def _no_spin_if_asked() -> None:
     shm_broadcast.sched_yield = short_sleep  # type: ignore[attr-defined]
 
 
-_no_spin_if_asked()
+def __getattr__(name: str) -> object:
+    """`KVStageConnector`, once vLLM's interface has been checked (vLLM takes it with `getattr`)."""
+    if name != "KVStageConnector":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    _check_vllm()
+    _no_spin_if_asked()
+    from kvstage.integrations.vllm.connector import KVStageConnector
 
-from kvstage.integrations.vllm.connector import KVStageConnector  # noqa: E402
+    return KVStageConnector
+
 
 __all__ = ["TESTED_VLLM", "KVStageConnector"]

@@ -28,6 +28,7 @@ import logging
 import os
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -38,7 +39,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvstage.errors import ConfigError
-from kvstage.integrations.vllm.metadata import StepMetadata
+from kvstage.integrations.vllm.metadata import StepRecords
 from kvstage.integrations.vllm.scheduler import Instance, SchedulerSide
 from kvstage.integrations.vllm.settings import ConnectorSettings
 from kvstage.integrations.vllm.worker import EngineFacts, Results, WorkerSide
@@ -70,6 +71,15 @@ def _log_to_stderr() -> None:
     root.addHandler(handler)
     root.setLevel(os.environ.get("KVSTAGE_LOG_LEVEL", "INFO").upper())
     root.propagate = False
+
+
+@dataclass
+class StepMetadata(StepRecords, KVConnectorMetadata):
+    """A step's `StepRecords` as vLLM's connector metadata: what vLLM pickles from the scheduler to every worker."""
+
+    @classmethod
+    def of(cls, records: StepRecords) -> StepMetadata:
+        return cls(**{f.name: getattr(records, f.name) for f in fields(StepRecords)})
 
 
 class KVStageConnector(KVConnectorBase_V1):
@@ -110,12 +120,12 @@ class KVStageConnector(KVConnectorBase_V1):
         self._worker_side().register_kv_caches(kv_caches)
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
-        if isinstance(kv_connector_metadata, StepMetadata):
+        if isinstance(kv_connector_metadata, StepRecords):
             self._step_hook("handle_preemptions", self._worker_side().reclaim_preempted, kv_connector_metadata)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
-        if isinstance(connector_metadata, StepMetadata):
+        if isinstance(connector_metadata, StepRecords):
             self._step_hook("bind_connector_metadata", self._worker_side().bind, connector_metadata)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
@@ -171,7 +181,7 @@ class KVStageConnector(KVConnectorBase_V1):
         self._scheduler_side().update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        return self._scheduler_side().build_connector_meta(scheduler_output)
+        return StepMetadata.of(self._scheduler_side().build_connector_meta(scheduler_output))
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler_side().request_finished(request, block_ids)

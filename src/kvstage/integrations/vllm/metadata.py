@@ -2,17 +2,16 @@
 
 Owns the per-step records: `ExpectRoom` (decode: register a request's room before prefill hears of it),
 `ComputeStep` (prefill: this step computes tokens [.., end_tokens) of a room, in these blocks), `AbortRoom`, and
-`StepMetadata`, their container, which also lists the requests whose blocks vLLM took back (preempted: reclaimed
+`StepRecords`, their container, which also lists the requests whose blocks vLLM took back (preempted: reclaimed
 before the forward), the requests whose blocks vLLM holds for kvstage until they are reported sent (prefill), and
 the requests promised remote KV that got no room (decode: reported failed, so vLLM recomputes them). Frozen values
-with no behaviour; built by `scheduler.py`, read by `worker.py`.
+with no behaviour; built by `scheduler.py`, read by `worker.py`. No vLLM import here: the worker half runs where
+vLLM is not installed too (the GPU connector tests); vLLM's own type, `connector.StepMetadata`, adds the base class.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,7 +53,7 @@ class AbortRoom:
 
 
 @dataclass
-class StepMetadata(KVConnectorMetadata):
+class StepRecords:
     """Everything the workers do for kvstage in one scheduler step."""
 
     expect: list[ExpectRoom] = field(default_factory=list)

@@ -1,7 +1,7 @@
 """The connector's scheduler side: which requests move KV through kvstage, and when their blocks may go.
 
 Owns `SchedulerSide`, which runs in vLLM's scheduler process and never touches KV or sockets. It turns vLLM's
-scheduler hooks into per-step records for the workers (`metadata.StepMetadata`):
+scheduler hooks into per-step records for the workers (`metadata.StepRecords`):
 
     both    on_new_request: the request's kvstage params are checked once (`params.parse_params`); malformed ones
                            are logged and counted, and the request runs without kvstage. Each request that names a
@@ -37,7 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from kvstage.integrations.vllm.metadata import AbortRoom, ComputeStep, ExpectRoom, StepMetadata
+from kvstage.integrations.vllm.metadata import AbortRoom, ComputeStep, ExpectRoom, StepRecords
 from kvstage.integrations.vllm.params import (
     MAX_ROOM,
     RemoteDecode,
@@ -118,7 +118,7 @@ class SchedulerSide:
         self._block_size = block_size
         self._instance = instance
         self._kv_cache_manager: KVCacheManager | None = None
-        self._next = StepMetadata()
+        self._next = StepRecords()
         self._tickets: dict[str, Ticket | None] = {}  # every live request: its ticket, or None (no kvstage)
         self._sibling_seen: Counter[tuple[int, bytes]] = Counter()  # (router room, prompt) -> requests seen
         self._sibling_live: Counter[tuple[int, bytes]] = Counter()  # ... and still live
@@ -226,12 +226,12 @@ class SchedulerSide:
 
     # ---- both ---------------------------------------------------------------------------------------------
 
-    @_never_raises(StepMetadata)
-    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> StepMetadata:
+    @_never_raises(StepRecords)
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> StepRecords:
         if self._producer:
             self._add_preemptions(scheduler_output)
             self._add_compute_steps(scheduler_output)
-        meta, self._next = self._next, StepMetadata()
+        meta, self._next = self._next, StepRecords()
         return meta
 
     @_never_raises(lambda: (False, _NO_PARAMS))

@@ -15,7 +15,7 @@ from urllib.parse import urlsplit
 from kvstage.errors import ConfigError
 from kvstage.layout import ceil_div
 
-BACKENDS = ("local", "mooncake", "nixl")
+BACKENDS = ("local", "cuda_ipc", "mooncake", "nixl")
 _KINDS: dict[str, type] = {"str": str, "int": int, "float": float}
 
 
@@ -30,8 +30,10 @@ class ConnectorSettings:
 
     - `instance`: this instance's name; the router and the peer instance address it by this name.
     - `bootstrap`: the directory every rank registers with: `kvstage bootstrap` (`tcp://HOST:PORT`) or etcd
-      (`etcd://HOST:PORT[/NAMESPACE][?lease_s=N]`, docs/transports.md).
-    - `backend`: the data transport, "local" (same host), "mooncake" or "nixl".
+      (`etcd://HOST:PORT[/NAMESPACE][?lease_s=N]`, docs/directory.md).
+    - `backend`: the data transport, "local" (same host, host memory), "cuda_ipc" (same host, GPU memory),
+      "mooncake" or "nixl" (across hosts; nixl moves GPU memory too). With KV on a GPU, cuda_ipc and nixl put the
+      staging on that GPU; the others stage through host memory (the fallback, named in the log at start).
     - `host`: the address peers reach this instance's ranks at (control plane and transport).
     - `chunk_tokens`: the staging grid; 0 picks the smallest multiple of the block size that is at least 256.
     - `ring_mib` (decode) / `staging_mib` (prefill): staging memory per rank.

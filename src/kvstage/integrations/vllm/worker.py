@@ -38,7 +38,7 @@ import torch
 from kvstage.dataplane.engine_kv import EngineKV, KVCacheFormat
 from kvstage.dataplane.pool import TORCH_DTYPES
 from kvstage.errors import ConfigError
-from kvstage.integrations.vllm.metadata import ComputeStep, ExpectRoom, StepMetadata
+from kvstage.integrations.vllm.metadata import ComputeStep, ExpectRoom, StepRecords
 from kvstage.integrations.vllm.report import RankReport, page_digests
 from kvstage.integrations.vllm.settings import ConnectorSettings
 from kvstage.layout import KVLayout, heads_of_rank
@@ -104,6 +104,11 @@ class WorkerSide:
         #: engine calls and hooks that failed here, by name (each also logged with its traceback)
         self.errors: Counter[str] = Counter()
 
+    @property
+    def agent(self) -> DecodeAgent | PrefillAgent | None:
+        """This rank's agent, from `register_kv_caches` on (tests reach its copy stream through it)."""
+        return self._agent
+
     # ---- start-up -----------------------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -136,13 +141,14 @@ class WorkerSide:
             role = "prefill" if self._producer else "decode"
             self._report = RankReport(s.report_dir, role, s.instance, facts.rank)
         log.info(
-            "kvstage %s agent %s up: %s, %s layout, %d-token chunks, backend %s",
+            "kvstage %s agent %s up: %s, %s layout, %d-token chunks, backend %s, %s",
             "prefill" if self._producer else "decode",
             config.peer_id,
             layout,
             self._kv_format,
             config.chunk_tokens,
             s.backend,
+            staging_note(agent.transport.staging_device(self._kv.device), self._kv.device, s.backend),
         )
 
     def _layout(self, sample: torch.Tensor, num_layers: int) -> KVLayout:
@@ -171,7 +177,7 @@ class WorkerSide:
 
     # ---- each step ----------------------------------------------------------------------------------------
 
-    def reclaim_preempted(self, meta: StepMetadata) -> None:
+    def reclaim_preempted(self, meta: StepRecords) -> None:
         """Before the forward (vLLM's `handle_preemptions`, and again at bind: idempotent): vLLM freed these
         requests' blocks, and this step's forward may write another request's KV into them. Each room is aborted
         and forgotten here (vLLM never hears of it again), and no gather reads its blocks once this returns; on a
@@ -193,7 +199,7 @@ class WorkerSide:
         if event is not None and self._kv is not None:
             torch.cuda.current_stream(self._kv.device).wait_event(event)
 
-    def bind(self, meta: StepMetadata) -> None:
+    def bind(self, meta: StepRecords) -> None:
         agent = self._require_agent()
         self.reclaim_preempted(meta)
         for expect in meta.expect:
@@ -319,6 +325,16 @@ class WorkerSide:
         if self._agent is None:
             raise ConfigError("kvstage: the connector was used before vLLM registered its KV caches")
         return self._agent
+
+
+def staging_note(staging: torch.device, kv: torch.device, backend: str) -> str:
+    """Where this rank stages, for the start-up log: on the KV's GPU, or host memory (named as the fallback when the
+    KV is on a GPU and the backend moves host memory only)."""
+    if staging.type == "cuda":
+        return f"staging in device memory on {staging} (no byte through the host)"
+    if kv.type == "cuda":
+        return f"host staging (fallback: backend {backend} moves host memory only; cuda_ipc or nixl stage on the GPU)"
+    return "host staging"
 
 
 #: vLLM's CPU attention kernels whose cache layout kvstage reads (checked against vLLM's own write kernel).

@@ -8,13 +8,18 @@ How it works. `allocate` takes a fresh cudaMalloc allocation, zeroes it and hand
 descriptor carries the allocation's IPC handle (`cudaIpcGetMemHandle`), its size, the UUID of its GPU and the
 owner's pid. A writer opens the handle on that GPU (`cudaIpcOpenMemHandle`, peer access enabled lazily, so a writer
 whose KV is on another GPU of the host writes peer to peer) and checks the real size of what it mapped
-(`cuMemGetAddressRange`) against the descriptor before any write. A write queues one device copy per slice on the
-writer's stream and records a CUDA event; `poll` asks each event (`query`, never a wait), so a completion never
-blocks the agent thread. `write_batch(after=event)` makes the stream wait for that event on the device (the gather
-that filled the source), without a host wait. A write's `not_after` is checked right before its first copy is
-queued; queued copies run within microseconds to milliseconds (the device's copy speed), behind the `after` event
-at most, and cannot be recalled once queued. Within one process a handle cannot be opened (CUDA refuses its own
-handles), so there the region is found in this process's table of exported regions.
+(`cuMemGetAddressRange`) against the descriptor before any write. A write is handed to this transport's launcher
+thread, which waits (on the host, off the caller's thread) for the write's `after` event (the gather that filled
+the source) to complete, checks `not_after` immediately before it queues anything, and queues one bounded copy
+per slice (`bounded_copy`) on the writer's stream, then a CUDA event; `poll` asks each event (`query`, never a
+wait), so a completion never blocks the agent thread.
+
+The hard bound on late copies. With `max_write_s` set, each copy carries a device-clock deadline, `max_write_s`
+after it was queued (the transports' rule: a posted write lands within `max_write_s` or never): a program of the
+copy that the device reaches after it stores nothing, and the write then completes failed (`LATE_ON_DEVICE`),
+however long the GPU was held (a backed-up stream, a stalled peer kernel). So no byte lands in ring space decode
+may have granted again. Within one process a handle cannot be opened (CUDA refuses its own handles), so there the
+region is found in this process's table of exported regions.
 
 Memory lifetime. An allocation is freed (cudaFree), and an opened handle closed, when the last tensor over it is
 garbage-collected, never explicitly, so a copy still queued never touches freed memory (local.py does the same
@@ -32,11 +37,14 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import queue
 import threading
+import time
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import msgspec
 import torch
@@ -54,9 +62,14 @@ from kvstage.transport.data.base import (
 )
 from kvstage.transport.data.local import pid_alive
 
+if TYPE_CHECKING:
+    from kvstage.transport.data.bounded_copy import DeviceClock
+
 log = logging.getLogger(__name__)
 
 IPC_HANDLE_BYTES = 64
+#: Reason of a write some of whose copies the device reached after their deadline (those stored nothing).
+LATE_ON_DEVICE = "write cut on the device: the GPU reached its copy after max_write_s; nothing was stored past it"
 _LAZY_PEER_ACCESS = 1  # cudaIpcMemLazyEnablePeerAccess
 
 
@@ -193,13 +206,28 @@ class _Target:
 
 
 @dataclass(frozen=True, slots=True)
+class _Launch:
+    """A write handed to the launcher thread: what to copy where, after which event, under which bound."""
+
+    transfer_id: int
+    after: torch.cuda.Event | None
+    source: torch.Tensor
+    target: torch.Tensor
+    slices: tuple[Slice, ...]
+    bound: WriteBound
+    where: str  # "region N of 'owner'", for messages
+
+
+@dataclass(frozen=True, slots=True)
 class _InFlight:
-    """A write queued on a stream: its event, operations, and the reason if queueing it failed part way."""
+    """A write queued on a stream: its event, operations, the reason if queueing it failed part way, and (bounded
+    copies) a page-locked host copy of the device's count of programs that stored nothing past the deadline."""
 
     transfer_id: int
     event: torch.cuda.Event
     ops: int
     reason: str
+    skipped: torch.Tensor | None
 
 
 class CudaIpcTransport(DataTransport):
@@ -211,14 +239,24 @@ class CudaIpcTransport(DataTransport):
     def __init__(self, config: TransportConfig) -> None:
         if not torch.cuda.is_available():
             raise TransportUnavailable("the cuda_ipc backend needs a CUDA GPU, and torch sees none on this machine")
+        try:
+            from kvstage.transport.data import bounded_copy
+        except ImportError as err:
+            raise TransportUnavailable(f"the cuda_ipc backend needs Triton (in torch's CUDA builds): {err}") from err
         super().__init__(config)
+        self._bounded = bounded_copy
         self._cuda = _cuda()
         self._owned: dict[int, _Owned] = {}
         self._targets: dict[int, _Target] = {}
         self._streams: dict[int, torch.cuda.Stream] = {}
+        self._clocks: dict[int, DeviceClock] = {}
         self._after: torch.cuda.Event | None = None
+        self._flights = threading.Lock()  # guards _writes and _failed (launcher thread and poll)
         self._writes: list[_InFlight] = []
         self._failed: list[Completion] = []
+        self._launches: queue.SimpleQueue[_Launch | None] = queue.SimpleQueue()
+        self._launcher = threading.Thread(target=self._launch_loop, name="kvstage-cuda-ipc-launcher", daemon=True)
+        self._launcher.start()
 
     # ---- memory -------------------------------------------------------------------------------------------
     def _allocate(self, nbytes: int, region_id: int, pinned: bool) -> torch.Tensor:
@@ -238,10 +276,15 @@ class CudaIpcTransport(DataTransport):
             tensor.zero_()
             torch.cuda.current_stream(device).synchronize()  # at allocation only: peers write it on their streams
         self._owned[tensor.data_ptr()] = _Owned(handle, nbytes, str(torch.cuda.get_device_properties(device).uuid))
+        if self.config.max_write_s is not None:
+            self._clock(device)  # a staging slab is a write source: its device's clock and kernels, now
         return tensor
 
     def _register(self, region: LocalRegion) -> None:
-        """Any tensor (GPU or host) can be a write source; only `allocate`d regions can be exported."""
+        """Any tensor (GPU or host) can be a write source; only `allocate`d regions can be exported. A GPU source's
+        device gets its clock (and the bounded copy its compiled kernels) now, not on the first write."""
+        if region.tensor.is_cuda and self.config.max_write_s is not None:
+            self._clock(region.tensor.device)
 
     def _unregister(self, region: LocalRegion) -> None:
         self._owned.pop(region.address, None)
@@ -292,7 +335,7 @@ class CudaIpcTransport(DataTransport):
 
     # ---- writes --------------------------------------------------------------------------------------------
     def _order_after(self, event: torch.cuda.Event) -> None:
-        self._after = event  # `_submit`, next in the same locked call, has its stream wait for it on the device
+        self._after = event  # `_submit`, next in the same locked call, hands it to the launcher thread with the write
 
     def _submit(
         self, transfer_id: int, src: LocalRegion, dst: RemoteRegion, slices: Sequence[Slice], bound: WriteBound
@@ -301,32 +344,74 @@ class CudaIpcTransport(DataTransport):
         target = self._targets[dst.key]
         if not pid_alive(target.pid):
             reason = f"peer dead: owner process {target.pid} of region {dst.region_id} of {dst.owner!r} has exited"
-            self._failed.append(Completion(transfer_id, False, reason, len(slices), peer_gone=True))
-            self._completed()
+            self._fail(Completion(transfer_id, False, reason, len(slices), peer_gone=True))
             return ""
-        source = src.tensor
-        stream = self._stream(source.device if source.is_cuda else target.tensor.device)
+        where = f"region {dst.region_id} of {dst.owner!r}"
+        self._launches.put(_Launch(transfer_id, after, src.tensor, target.tensor, tuple(slices), bound, where))
+        return ""
 
-        def queue(piece: tuple[Slice, ...]) -> str:
+    def _fail(self, completion: Completion) -> None:
+        with self._flights:
+            self._failed.append(completion)
+        self._completed()
+
+    def _launch_loop(self) -> None:
+        """The launcher thread: each write, in order, once its `after` event has completed. A write that fails here
+        fails alone (logged, and completed with the reason); the thread goes on."""
+        while (launch := self._launches.get()) is not None:
+            try:
+                flight = self._launch(launch)
+            except Exception as err:  # CUDA, Triton or clock errors: this write fails, the thread goes on
+                log.exception("transfer %d into %s failed", launch.transfer_id, launch.where)
+                self._fail(Completion(launch.transfer_id, False, f"cuda_ipc write into {launch.where}: {err}",
+                                      len(launch.slices)))  # fmt: skip
+                continue
+            with self._flights:
+                self._writes.append(flight)
+
+    def _launch(self, launch: _Launch) -> _InFlight:
+        """Wait for the gather's event, then check the lease and queue the copies, bounded on the device by
+        `max_write_s` from now, and the write's event."""
+        if launch.after is not None:
+            launch.after.synchronize()  # the launcher thread waits, never the agent's; the lease is checked after
+        source, target, bound = launch.source, launch.target, launch.bound
+        device = source.device if source.is_cuda else target.device
+        stream = self._stream(device)
+        skipped = skipped_host = None
+        deadline = 0
+        if bound.max_write_s is not None and source.is_cuda:
+            deadline = self._clock(device).deadline_ns(time.monotonic() + bound.max_write_s)
+            skipped_host = torch.zeros(1, dtype=torch.int32, pin_memory=True)
+
+        def queue_piece(piece: tuple[Slice, ...]) -> str:
             for s_off, d_off, length in piece:
-                target.tensor[d_off : d_off + length].copy_(source[s_off : s_off + length], non_blocking=True)
+                src, dst = source[s_off : s_off + length], target[d_off : d_off + length]
+                if skipped is None:
+                    dst.copy_(src, non_blocking=True)
+                else:
+                    self._bounded.bounded_copy(dst, src, deadline, skipped)
             return ""
 
-        try:
-            with torch.cuda.stream(stream):
-                if after is not None:
-                    stream.wait_event(after)
-                reason = bound.move(slices, queue)  # `not_after` checked right before the first copy is queued
-        except RuntimeError as err:  # copies queued before it still run: the failure is reported once they ended
-            reason = f"cuda_ipc write into region {dst.region_id} of {dst.owner!r} failed: {err}"
-            log.warning("transfer %d: %s", transfer_id, reason)
-        try:
+        with torch.cuda.stream(stream):
+            if skipped_host is not None:
+                skipped = torch.zeros(1, dtype=torch.int32, device=device)
+            reason = bound.move(launch.slices, queue_piece)  # `not_after` checked right before the first copy
+            if skipped is not None and skipped_host is not None:
+                skipped_host.copy_(skipped, non_blocking=True)
             event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             event.record(stream)
-        except RuntimeError as err:
-            return f"cuda_ipc write into {dst.owner!r}: CUDA could not record its event: {err}"
-        self._writes.append(_InFlight(transfer_id, event, len(slices), reason))
-        return ""
+        return _InFlight(launch.transfer_id, event, len(launch.slices), reason, skipped_host)
+
+    def _clock(self, device: torch.device) -> DeviceClock:
+        """The clock of `device`, made on first use (at registration: `_register`)."""
+        index = torch.cuda.current_device() if device.index is None else device.index
+        with self._flights:
+            clock = self._clocks.get(index)
+        if clock is None:
+            clock = self._bounded.DeviceClock(torch.device("cuda", index))
+            with self._flights:
+                clock = self._clocks.setdefault(index, clock)
+        return clock
 
     def _stream(self, device: torch.device) -> torch.cuda.Stream:
         """This writer's stream on `device` (one per GPU it writes from), made on first use."""
@@ -337,9 +422,11 @@ class CudaIpcTransport(DataTransport):
         return stream
 
     def _progress(self) -> list[Completion]:
-        done, self._failed = self._failed, []
+        with self._flights:
+            done, self._failed = self._failed, []
+            writes, self._writes = self._writes, []
         still: list[_InFlight] = []
-        for write in self._writes:
+        for write in writes:
             try:
                 landed = write.event.query()  # type: ignore[no-untyped-call]
             except RuntimeError as err:
@@ -347,21 +434,34 @@ class CudaIpcTransport(DataTransport):
                 done.append(Completion(write.transfer_id, False, reason, write.ops))
                 continue
             if landed:
-                done.append(Completion(write.transfer_id, not write.reason, write.reason, write.ops))
+                reason = write.reason or _late(write, self._bounded.PROGRAM_BYTES)
+                done.append(Completion(write.transfer_id, not reason, reason, write.ops))
             else:
                 still.append(write)
-        self._writes = still
+        with self._flights:
+            self._writes[:0] = still
         return done
 
     def _close(self) -> None:
-        for write in self._writes:  # shutdown only: copies still queued end before their memory can go
+        self._launches.put(None)
+        self._launcher.join(timeout=10.0)  # the write it launches last may wait for its gather's event
+        with self._flights:
+            writes, self._writes = self._writes, []
+        for write in writes:  # shutdown only: copies still queued end before their memory can go
             write.event.synchronize()
-        self._writes.clear()
         self._targets.clear()
         with _TABLES:
             for key in [key for key in _EXPORTED if key[0] == self.name]:
                 del _EXPORTED[key]
         self._owned.clear()
+
+
+def _late(write: _InFlight, program_bytes: int) -> str:
+    """`LATE_ON_DEVICE` if some program of the write's bounded copies stored nothing (its event has completed, so
+    the page-locked count is final), else ""."""
+    if write.skipped is None or int(write.skipped[0]) == 0:
+        return ""
+    return f"{LATE_ON_DEVICE} ({int(write.skipped[0])} blocks of {program_bytes} bytes not written)"
 
 
 def _decode_ref(descriptor: RegionDescriptor) -> _IpcRef:
