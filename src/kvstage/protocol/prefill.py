@@ -439,6 +439,12 @@ class PrefillEndpoint(EndpointCore):
         self._request("ready", peer_id, ChunkReady(room=r.room, chunk=index, epoch=chunk.region.epoch), index)
         self._pump_link(r, link)
 
+    def _room_deadline(self, room: int) -> float:
+        r = self._rooms.get(room)
+        if r is not None:
+            return r.deadline
+        return max((expires for _, expires in self._pending.get(room, {}).values()), default=self._now)
+
     def _deadline_live(self, when: float, room: int) -> bool:
         r = self._rooms.get(room)
         if r is not None:
