@@ -166,6 +166,11 @@ class EndpointCore(ABC):
             self._timer_stale = False
         return self._timer
 
+    def accepted_bodies(self) -> frozenset[type]:
+        """The body types this endpoint acts on (any other is dropped and counted, so a receiver may refuse it
+        before decoding it)."""
+        return frozenset(self._body_handlers) | {Heartbeat, Fenced}
+
     def peers(self) -> frozenset[str]:
         """Peer ids currently tracked (live or not yet declared dead)."""
         return frozenset(self._peers)
