@@ -82,7 +82,7 @@ def test_a_decode_process_under_100000_hostile_frames_serves_every_room_within_1
             for agent in prefill:
                 assert all(o.ok for o in wait_outcomes(agent, range(1, room + 1)).values())
             deadline = time.monotonic() + 60
-            while decode.state()["received"] + sum(decode.state()["rejected"].values()) < before["received"] + sent:
+            while sum(decode.state()["rejected"].values()) < sent:  # (legitimate frames count as received)
                 assert time.monotonic() < deadline, "decode never got through the hostile frames"
                 time.sleep(0.1)
             after = decode.state()
