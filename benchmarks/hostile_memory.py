@@ -130,8 +130,11 @@ class Sender:
 
     def frame(self, sender: str, session: int, body: Body) -> bytes:
         self.seq += 1
-        frame = self.codec.encode(Envelope(PROTOCOL_VERSION, sender, session, 0, self.seq, None, body))
-        return frame if self.auth is None else self.auth.seal(frame, self.address.encode())
+        return self.seal(self.codec.encode(Envelope(PROTOCOL_VERSION, sender, session, 0, self.seq, None, body)))
+
+    def seal(self, payload: bytes) -> bytes:
+        """`payload` as sent: sealed anew each time (a frame sent twice is dropped as a replay)."""
+        return payload if self.auth is None else self.auth.seal(payload, self.address.encode())
 
     def close(self) -> None:
         self.sock.close(linger=0)
@@ -169,11 +172,11 @@ def run_near_limit(insider: bool) -> float:
         sender = Sender(child.address, SECRET)
         try:
             name, session = (prefill.peer_id, prefill.session) if insider else ("evil/0", 7)
-            frame = sender.frame(name, session, near_limit_metadata(1))
+            payload = sender.codec.encode(Envelope(PROTOCOL_VERSION, name, session, 0, 1, None, near_limit_metadata(1)))
             time.sleep(0.5)
             base = child.ask("reset-peak")
             for _ in range(NEAR_LIMIT_FRAMES):
-                sender.sock.send(frame, copy=False)
+                sender.sock.send(sender.seal(payload), copy=False)
             after = child.wait_handled(base["handled"] + NEAR_LIMIT_FRAMES)
         finally:
             sender.close()
