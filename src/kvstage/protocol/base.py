@@ -333,8 +333,9 @@ class EndpointCore(ABC):
             self._peer_lost(peer, room, reason)
 
     def _remember_fence(self, peer: Peer, incarnation: Incarnation) -> None:
-        """Fence `incarnation` of `peer` until no room it holds can be written: the rooms' latest deadline, its
-        span from now stretched by the clocks' drift, plus `quarantine_s` for a write posted just before it."""
+        """Fence `incarnation` (the current one of `peer`) until no room it holds can be written: the rooms'
+        latest deadline, its span from now stretched by the clocks' drift, plus `quarantine_s` for a write posted
+        just before it. A record still in force for an older incarnation is raised to this one, never shortened."""
         latest = max((self._room_deadline(room) for room in peer.rooms), default=self._now)
         drift = self.timing.clock_drift
         release_at = self._now + max(0.0, latest - self._now) * (1 + drift) / (1 - drift) + self.timing.quarantine_s
