@@ -749,3 +749,18 @@ def test_counters_are_exported_as_a_flat_dict() -> None:
     assert snapshot["failures.aborted by decode"] == 1 and snapshot["rooms_failed"] == 1
     assert all(isinstance(v, int) for v in snapshot.values())
     assert any(isinstance(a, RoomFailed) for a in pump.actions_of("p0", RoomFailed))
+
+
+def test_metadata_waiting_for_attach_is_capped_in_page_ids_not_only_rooms() -> None:
+    pump = make_pump(limits=Limits(max_pending_pages=10), attention="mla")  # direct path: Metadata carries pages
+    answers = []
+    for room in range(4):
+        answers += inject(pump, "p0", "d0", metadata(room, path="direct", pages=tuple(range(4))))
+    answers += inject(pump, "p0", "d0", metadata(1, path="direct", pages=tuple(range(4))))  # a retry still waits
+    assert prefill(pump).pending_metadata() == 2
+    assert len(sent(answers, MetadataAck)) == 3
+    assert {a.reason for a in sent(answers, Abort)} == {reasons.OVERLOADED}
+    assert prefill(pump).stats.messages_rejected["pending metadata pages cap reached"] == 2
+    pump.advance(11.0)  # the waiting ones expire with their ttl, and their page ids with them
+    answers = inject(pump, "p0", "d0", metadata(9, path="direct", num_tokens=32, pages=tuple(range(8))))
+    assert sent(answers, MetadataAck) and prefill(pump).pending_metadata() == 1

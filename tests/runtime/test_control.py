@@ -45,7 +45,7 @@ class Harness:
     def __init__(self, bind: str, config: ChannelConfig | None = None, name: str = "test") -> None:
         self.inbox: queue.Queue[Ping] = queue.Queue()
         self.failures: queue.Queue[tuple[str, Ping, str]] = queue.Queue()
-        self.channel: ControlChannel[Ping] = ControlChannel(
+        self.channel: ControlChannel[Ping, Ping] = ControlChannel(
             bind,
             encode=_encoder.encode,
             decode=_decode,

@@ -5,7 +5,7 @@ own, so that the RSS, file descriptors and threads it reports are the agent's al
 (`Limits.max_peers`, `ParkLimits.max_peers`, `ChannelConfig.max_peers`); 0 keeps the defaults. Commands:
 - `expect ROOM INSTANCE`: admit a room of that prefill instance's two ranks; prints "ok";
 - `outcome ROOM`: wait for the room's outcome and return its pages; prints `[ok, reason]` as JSON;
-- `state`: the agent's per-peer tables (and its endpoint's fence records, capped at `Limits.max_peers`), RSS,
+- `state`: the agent's per-peer tables (and its endpoint's fence records, released by rule), RSS,
   open file descriptors (all, and sockets), threads, as JSON. With KVSTAGE_CHURN_TRACEMALLOC=1, `state growth`
   adds, against the first `state growth`: the bytes Python allocated since, by allocating frames, and the objects
   added, by type (a diagnosis of RSS growth; tracing slows the agent down and adds to its RSS).

@@ -1,8 +1,8 @@
 """A decode rank ("D/0", TP=1) in its own process, driven over stdin/stdout, for the live fuzz test (its RSS is
 its own). Run as `python decode_worker.py BOOTSTRAP SECRET_HEX`. Commands, one per line:
 `expect ROOM INSTANCE` (admit a room of the prefill instance's two ranks), `outcomes` (rooms ended since the last
-call, as JSON), `state` (RSS, rejected frames by reason, per-peer tables, as JSON). Prints the control address
-first."""
+call, as JSON), `state` (RSS, its peak since the last `reset-peak`, rejected frames by reason, as JSON),
+`reset-peak` (start measuring the peak RSS anew; answers `state`). Prints the control address first."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from kvstage.dataplane import KVPool
 from kvstage.runtime import DecodeAgent, peer_id
 
 
-def _rss() -> int:
-    line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith("VmRSS:"))
+def _status(field: str) -> int:
+    line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith(f"{field}:"))
     return int(line.split()[1]) * 1024
 
 
@@ -39,10 +39,13 @@ def main() -> None:
             for outcome in ended:
                 agent.pool.allocator.free(pages.pop(outcome.room))
             print(json.dumps({o.room: [o.ok, o.reason] for o in ended}), flush=True)
-        elif command == "state":
+        elif command in ("state", "reset-peak"):
+            if command == "reset-peak":
+                Path("/proc/self/clear_refs").write_text("5")  # VmHWM starts again from VmRSS
             rejected = {reason: n for reason, n in agent.channel.rejected.items()}
             metric = agent.metrics.value("kvstage_rejected_frames_total", reason="auth")
-            state = {"rss": _rss(), "rejected": rejected, "metric_auth": metric, "received": agent.channel.received}
+            state = {"rss": _status("VmRSS"), "peak": _status("VmHWM"), "rejected": rejected, "metric_auth": metric,
+                     "received": agent.channel.received}  # fmt: skip
             print(json.dumps(state), flush=True)
     agent.close()
 

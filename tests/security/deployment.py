@@ -8,9 +8,13 @@ attacker who can reach the port would.
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import zmq
 
@@ -26,6 +30,7 @@ from kvstage.transport.bootstrap import BootstrapServer
 from kvstage.transport.control import ChannelConfig
 
 Outcome = RoomOutcome
+WORKER = Path(__file__).with_name("decode_worker.py")
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=4, head_dim=16, dtype="float16", page_size=4)
 TIMING = Timing(heartbeat_s=0.1, dead_after_s=1.0, retry_initial_s=0.02, retry_max_s=0.2)
 # For tests that do not exercise liveness: decode counts a writer as heard at `expect`, and a loaded machine (CI,
@@ -192,3 +197,35 @@ class Stranger:
 
     def close(self) -> None:
         self.sock.close(linger=0)
+
+
+class DecodeProcess:
+    """decode_worker.py in a process of its own (its RSS is its own), driven over its stdin and stdout."""
+
+    def __init__(self, bootstrap: str, secret: bytes) -> None:
+        self.proc = subprocess.Popen([sys.executable, str(WORKER), bootstrap, secret.hex()], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True)  # fmt: skip
+        self.address = self._line()
+
+    def _line(self) -> str:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        assert line, f"decode worker exited with {self.proc.poll()}"
+        return line.strip()
+
+    def ask(self, command: str) -> str:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(command + "\n")
+        self.proc.stdin.flush()
+        return self._line()
+
+    def state(self) -> dict:
+        return self.ask_json("state")
+
+    def ask_json(self, command: str) -> dict:
+        return json.loads(self.ask(command))
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        self.proc.wait(30)

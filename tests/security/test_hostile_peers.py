@@ -142,8 +142,8 @@ def test_chunk_indices_beyond_the_room_or_the_wire_bound_grow_nothing_and_leave_
         for seq, chunk in enumerate((2**16, 2**63 - 1)):  # built by hand: the codec refuses to encode them
             writer.send_raw(msgspec.msgpack.encode([PROTOCOL_VERSION, "P/0", session, 0, 10 + seq, None,
                                                     ["stage_req", 5, chunk]]))  # fmt: skip
-        channel = deployment.decode.channel
-        _wait(lambda: channel.rejected["undecodable"] == 2, "indices past the wire bound never decode")
+        undecodable = lambda: deployment.decode.metrics.value("kvstage_rejected_frames_total", reason="undecodable")  # noqa: E731
+        _wait(lambda: undecodable() == 2, "indices past the wire bound never decode")
         refused = lambda: deployment.decode.metrics.value("kvstage_protocol_rejected", why="chunk index out of range")  # noqa: E731
         _wait(lambda: refused() == 2, "indices past the room's chunks refused by the endpoint")
         assert deployment.decode.poll() == []

@@ -11,48 +11,17 @@ from __future__ import annotations
 
 import json
 import random
-import subprocess
-import sys
 import time
-from pathlib import Path
 
-from deployment import Stranger, prefill_instance, start_room, wait_outcomes
+from deployment import DecodeProcess, Stranger, prefill_instance, start_room, wait_outcomes
 
 from kvstage.protocol.messages import PROTOCOL_VERSION, Abort, Body, ChunkReady, Envelope, Heartbeat, StagingRequest
 from kvstage.transport.auth import FrameAuth
 from kvstage.transport.bootstrap import BootstrapServer
 
-WORKER = Path(__file__).with_name("decode_worker.py")
 SECRET = b"live fuzz shared secret, 32 byte"
 HOSTILE_FRAMES = 100_000
 ROOMS = 40
-
-
-class DecodeProcess:
-    def __init__(self, bootstrap: str) -> None:
-        self.proc = subprocess.Popen([sys.executable, str(WORKER), bootstrap, SECRET.hex()], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True)  # fmt: skip
-        self.address = self._line()
-
-    def _line(self) -> str:
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        assert line, f"decode worker exited with {self.proc.poll()}"
-        return line.strip()
-
-    def ask(self, command: str) -> str:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(command + "\n")
-        self.proc.stdin.flush()
-        return self._line()
-
-    def state(self) -> dict:
-        return json.loads(self.ask("state"))
-
-    def close(self) -> None:
-        if self.proc.stdin is not None:
-            self.proc.stdin.close()
-        self.proc.wait(30)
 
 
 def _hostile(rng: random.Random, attacker: Stranger, forger: FrameAuth, address: str) -> bytes:
@@ -81,7 +50,7 @@ def attacker_envelope(sender: str, body: Body, rng: random.Random) -> Envelope:
 
 def test_a_decode_process_under_100000_hostile_frames_serves_every_room_within_16_mib() -> None:
     with BootstrapServer(secret=SECRET) as bootstrap:
-        decode = DecodeProcess(bootstrap.address)
+        decode = DecodeProcess(bootstrap.address, SECRET)
         prefill = prefill_instance("P", bootstrap.address, secret=SECRET, pages=8 * ROOMS)
         attacker = Stranger(decode.address)
         forger = FrameAuth(b"not the deployment's secret!!!!!")
@@ -113,7 +82,7 @@ def test_a_decode_process_under_100000_hostile_frames_serves_every_room_within_1
             for agent in prefill:
                 assert all(o.ok for o in wait_outcomes(agent, range(1, room + 1)).values())
             deadline = time.monotonic() + 60
-            while decode.state()["received"] + sum(decode.state()["rejected"].values()) < before["received"] + sent:
+            while sum(decode.state()["rejected"].values()) < sent:  # (legitimate frames count as received)
                 assert time.monotonic() < deadline, "decode never got through the hostile frames"
                 time.sleep(0.1)
             after = decode.state()

@@ -2,14 +2,14 @@
 seeds until an invariant breaks, and requires that to happen within the bug's seed budget (200 at most).
 
 A planted bug is a small subclass of an endpoint (handed to every rank through `SimConfig.decode_endpoint` or
-`SimConfig.prefill_endpoint`) or of the world, plus `SimConfig.timing` for the one configuration bug. Each run
+`SimConfig.prefill_endpoint`) or of the world, plus `SimConfig.timing` for the two timing bugs. Each run
 stops at its first violation. docs/simulation.md lists the bugs, the seed at which each is found and why each
 fault kind is there; without these, a simulator whose faults never reach a rule would pass every other test.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 import msgspec
 import pytest
@@ -17,6 +17,7 @@ import pytest
 from kvstage.protocol import DecodeEndpoint, PrefillEndpoint, Timing, WriteDirect, WriteRegion, reasons
 from kvstage.protocol.actions import Action
 from kvstage.protocol.base import Peer
+from kvstage.protocol.config import quarantine
 from kvstage.protocol.decode import _Room
 from kvstage.protocol.events import Event, ExpectRoom
 from kvstage.protocol.messages import DIRECT, Abort, AbortAck, ChunkReady, RoomBody, WireWatermark
@@ -145,6 +146,9 @@ class SkipsTheLeaseCheckAtPosting(World):
         return True
 
 
+#: the simulator's timing, field by field (to build a `Timing` subclass with it)
+TIMING_FIELDS = {f.name: getattr(SIM_TIMING, f.name) for f in fields(Timing)}
+
 #: dead_after_s below lease_s + max_write_s: a writer declared dead may still land a write
 SHORT_DEATH = Timing.unchecked(
     heartbeat_s=SIM_TIMING.heartbeat_s,
@@ -154,6 +158,15 @@ SHORT_DEATH = Timing.unchecked(
     lease_s=0.7 * SIM_TIMING.dead_after_s,
     max_write_s=0.7 * SIM_TIMING.dead_after_s,
 )
+
+
+class QuarantineForgetsMaxWrite(Timing):
+    """A quarantine formula that forgets `max_write_s`: a restarted writer's space is reused after its lease alone,
+    while a write it posted at the end of that lease can still land (for up to `max_write_s` more)."""
+
+    @property
+    def quarantine_s(self) -> float:
+        return quarantine(self.lease_s, 0.0, self.clock_drift)
 
 
 @dataclass(frozen=True)
@@ -186,6 +199,7 @@ PLANTED = [
     Planted("lease not checked at posting", DEFAULT, world=SkipsTheLeaseCheckAtPosting),
     Planted("dead_after_s below lease_s + max_write_s", replace(DEFAULT, timing=SHORT_DEATH)),
     Planted("restarted writer confirmed at once", replace(DEFAULT, decode_endpoint=ConfirmsARestartedWriterAtOnce)),
+    Planted("quarantine forgets max_write_s", replace(DEFAULT, timing=QuarantineForgetsMaxWrite(**TIMING_FIELDS))),
     Planted(
         "writer keeps writing to a decode session it fenced",
         replace(DEFAULT, prefill_endpoint=KeepsWritingToAFencedSession),

@@ -14,7 +14,11 @@ Owns, for both DecodeEndpoint and PrefillEndpoint:
   addressee's current incarnation); an echo of one of our own stamps, from a peer, renews `lease_until(peer)`:
   the peer received a frame we sent at that time, so it heard from us then (docs/protocol.md, "Writer leases");
 - retries (R4) through `Retrier`, heartbeats both ways every `Timing.heartbeat_s`, room deadlines;
-- counters (`EndpointStats`) and the bounded fence and closed-room records (R10).
+- counters (`EndpointStats`) and the bounded closed-room record (R10);
+- fence records released by rule, not by count: a fenced incarnation's record stays until no room it held can
+  still be written (`FenceRecord.release_at`: its rooms' latest deadline, stretched by clock drift, plus
+  `quarantine_s`), so a writer cut off or paused however long comes back fenced; at `Limits.max_fences` records
+  still needed, new peers are refused rather than a record forgotten.
 
 Subclasses implement the room state machines through the hooks marked "subclass". Pure: no I/O, clock or
 randomness; `now` always comes from the caller. Called by decode.py and prefill.py.
@@ -73,6 +77,14 @@ class Peer:
     echo: float | None = None  # latest of our own stamps that its current incarnation echoed: our lease base
 
 
+@dataclass(frozen=True, slots=True)
+class FenceRecord:
+    """The highest fenced incarnation of one peer, and when (our clock) no room it held can be written any more."""
+
+    incarnation: Incarnation
+    release_at: float
+
+
 class BoundedRecord(OrderedDict[Any, Any]):
     """An insertion-ordered map that forgets its oldest entries beyond `cap` (bounded tombstones)."""
 
@@ -102,7 +114,7 @@ class EndpointCore(ABC):
         self.codec = codec if codec is not None else Codec()
         self.stats = EndpointStats()
         self._peers: dict[str, Peer] = {}
-        self._fenced = BoundedRecord(limits.max_peers)  # peer id -> highest fenced Incarnation
+        self._fenced: dict[str, FenceRecord] = {}  # peer id -> its fence, until no room of it can be written
         self._epochs = BoundedRecord(limits.max_peers)  # peer id -> our epoch towards it (0 if absent)
         self._closed = BoundedRecord(limits.max_closed_rooms)  # room -> failure reason, or None if it succeeded
         self._retrier = Retrier(timing.retry_initial_s, timing.retry_max_s)
@@ -154,6 +166,11 @@ class EndpointCore(ABC):
             self._timer_stale = False
         return self._timer
 
+    def accepted_bodies(self) -> frozenset[type]:
+        """The body types this endpoint acts on (any other is dropped and counted, so a receiver may refuse it
+        before decoding it)."""
+        return frozenset(self._body_handlers) | {Heartbeat, Fenced}
+
     def peers(self) -> frozenset[str]:
         """Peer ids currently tracked (live or not yet declared dead)."""
         return frozenset(self._peers)
@@ -189,6 +206,10 @@ class EndpointCore(ABC):
 
         Called for each room in `peer.rooms`; the subclass removes the room from `peer.rooms` once the room no
         longer needs that peer."""
+
+    @abstractmethod
+    def _room_deadline(self, room: int) -> float:
+        """subclass: the deadline (our clock) of `room`, a room in some peer's `rooms`."""
 
     @abstractmethod
     def _on_deadline(self, when: float, room: int) -> None:
@@ -260,7 +281,7 @@ class EndpointCore(ABC):
         peer_id = envelope.sender
         incarnation = (envelope.session, envelope.epoch)
         fence = self._fenced.get(peer_id)
-        if fence is not None and incarnation <= fence:
+        if fence is not None and incarnation <= fence.incarnation and self._now < fence.release_at:
             self.stats.stale_dropped += 1
             if not isinstance(envelope.body, Fenced):
                 self._send(peer_id, Fenced(session=envelope.session, epoch=envelope.epoch))
@@ -270,6 +291,11 @@ class EndpointCore(ABC):
             if len(self._peers) >= self.limits.max_peers:
                 self.stats.reject("too many peers")
                 return None
+            if peer_id not in self._fenced and len(self._fenced) >= self.limits.max_fences:
+                self._release_fences()
+                if len(self._fenced) >= self.limits.max_fences:
+                    self.stats.reject("fence records full")
+                    return None
             peer = self._ensure_peer(peer_id)
         fresh = peer.incarnation is None or incarnation > peer.incarnation
         if fresh:
@@ -301,14 +327,32 @@ class EndpointCore(ABC):
     def _fence(self, peer: Peer, reason: str) -> None:
         """`peer`'s current incarnation is gone: fence it (if it was ever heard) and settle its rooms."""
         if peer.incarnation is not None:
-            previous = self._fenced.get(peer.peer_id)
-            self._fenced.remember(peer.peer_id, max(previous, peer.incarnation) if previous else peer.incarnation)
+            self._remember_fence(peer, peer.incarnation)
             self._out.append(FencePeer(peer.peer_id, *peer.incarnation))
         for room in list(peer.rooms):
             self._peer_lost(peer, room, reason)
 
+    def _remember_fence(self, peer: Peer, incarnation: Incarnation) -> None:
+        """Fence `incarnation` (the current one of `peer`) until no room it holds can be written: the rooms'
+        latest deadline, its span from now stretched by the clocks' drift, plus `quarantine_s` for a write posted
+        just before it. A record still in force for an older incarnation is raised to this one, never shortened."""
+        latest = max((self._room_deadline(room) for room in peer.rooms), default=self._now)
+        drift = self.timing.clock_drift
+        release_at = self._now + max(0.0, latest - self._now) * (1 + drift) / (1 - drift) + self.timing.quarantine_s
+        previous = self._fenced.get(peer.peer_id)
+        if previous is not None and previous.release_at > self._now:
+            incarnation = max(incarnation, previous.incarnation)
+            release_at = max(release_at, previous.release_at)
+        self._fenced[peer.peer_id] = FenceRecord(incarnation, release_at)
+
+    def _release_fences(self) -> None:
+        """Forget the fences no room of which can still be written."""
+        for peer_id in [p for p, fence in self._fenced.items() if fence.release_at <= self._now]:
+            del self._fenced[peer_id]
+
     def _check_liveness(self) -> None:
         """R8: a peer silent past dead_after_s is dead; with rooms it is fenced, in any case it is pruned."""
+        self._release_fences()
         deadline = self._now - self.timing.dead_after_s
         for peer in [p for p in self._peers.values() if p.last_heard < deadline]:
             if peer.rooms:

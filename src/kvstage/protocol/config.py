@@ -156,14 +156,19 @@ def lease_gaps(decode: LeaseTerms, writer: LeaseTerms) -> list[str]:
 class Limits:
     """Caps that bound every table an inbound message could grow (R10, B1)."""
 
-    max_peers: int = 1024  # peers known at once (live ones plus fence records)
+    max_peers: int = 1024  # peers known at once
+    max_fences: int = 65536  # fence records still needed (each released by rule); at the cap new peers wait
     max_rooms_per_peer: int = 4096  # open rooms shared with one peer (prefill: incl. metadata not attached yet)
     max_chunks_ahead: int = 4  # per (room, decode rank): chunks requested but not yet written (R11); this also
     # bounds parked chunks per peer to max_rooms_per_peer * max_chunks_ahead (R9, R10)
     max_closed_rooms: int = 65536  # remembered recently closed rooms (answers "room closed" instead of "unknown")
+    max_pending_pages: int = 2**22  # prefill: page ids of all Metadata waiting for their room's attach (decoded,
+    # about 40 bytes each: 160 MiB); beyond: Abort("overloaded")
 
     def __post_init__(self) -> None:
-        for name in ("max_peers", "max_rooms_per_peer", "max_chunks_ahead", "max_closed_rooms"):
+        names = ("max_peers", "max_fences", "max_rooms_per_peer", "max_chunks_ahead", "max_closed_rooms",
+                 "max_pending_pages")  # fmt: skip
+        for name in names:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"Limits.{name} must be a positive integer, got {value!r}")

@@ -421,6 +421,9 @@ class DecodeEndpoint(EndpointCore):
         chunk.region = None
         self._chunk_done(r, chunk)
 
+    def _room_deadline(self, room: int) -> float:
+        return self._rooms[room].deadline
+
     def _deadline_live(self, when: float, room: int) -> bool:
         r = self._rooms.get(room)
         if r is None:

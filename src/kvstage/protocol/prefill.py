@@ -12,9 +12,10 @@ Room states and the chunk states of each link: `states.PREFILL_ROOM` and `states
 `move`, which refuses an edge not in the table. A grant is used only in REQUESTED; duplicates are counted. A
 room is forgotten, and remembered in a bounded closed-room record, after its last state.
 
-Inbound checks (R10, B1): Metadata is checked (metadata.py) against this rank's layout and TP and, once
-attached, against the room; metadata of rooms not yet attached is capped per peer and expires with its ttl;
-grants are checked for chunk range and region size; unknown rooms allocate nothing. Called by runtime/ and sim/.
+Inbound checks (R10, B1): Metadata is checked (metadata.py) against this rank's layout and TP and, once attached,
+against the room; metadata of rooms not yet attached is capped per peer (rooms) and in all (page ids) and expires
+with its ttl; grants are checked for chunk range and region size; unknown rooms allocate nothing. Called by runtime/
+and sim/.
 """
 
 from __future__ import annotations
@@ -69,6 +70,7 @@ class PrefillEndpoint(EndpointCore):
         self.config = config
         self._rooms: dict[int, WriterRoom] = {}
         self._pending: dict[int, dict[str, tuple[Metadata, float]]] = {}  # metadata before AttachRoom
+        self._pending_pages = 0  # page ids of the Metadata in _pending
         self._tokens: dict[int, tuple[int, str, int]] = {}  # write token -> (room, decode peer, chunk)
         self._event_handlers.update(
             {
@@ -140,6 +142,7 @@ class PrefillEndpoint(EndpointCore):
         self._rooms[r.room] = r
         self._deadlines.push(r.deadline, r.room)
         for peer_id, (metadata, _) in self._pending.pop(r.room, {}).items():
+            self._pending_pages -= len(metadata.pages)
             peer = self._peers.get(peer_id)
             if peer is not None:
                 self._adopt(r, peer, metadata)
@@ -208,8 +211,9 @@ class PrefillEndpoint(EndpointCore):
             self._send(peer.peer_id, MetadataAck(room=m.room) if reason is None else Abort(room=m.room, reason=reason))
             return
         problem = metadata_problem(self.config, m)
-        if problem is not None or len(peer.rooms) >= self.limits.max_rooms_per_peer:
-            self.stats.reject(problem or "room cap of the peer reached")
+        capped = self._pending_cap(peer, m)
+        if problem is not None or capped is not None:
+            self.stats.reject(problem or str(capped))
             why = reasons.BAD_METADATA if problem else reasons.OVERLOADED
             self._send(peer.peer_id, Abort(room=m.room, reason=why))
             return
@@ -220,9 +224,21 @@ class PrefillEndpoint(EndpointCore):
         else:
             expires = self._now + m.ttl_s
             entries[peer.peer_id] = (m, expires)
+            self._pending_pages += len(m.pages)
             peer.rooms[m.room] = None
             self._deadlines.push(expires, m.room)
         self._send(peer.peer_id, MetadataAck(room=m.room))
+
+    def _pending_cap(self, peer: Peer, m: Metadata) -> str | None:
+        """Why `m` may not wait for its room's attach (None: it may, or it already waits): the peer's room cap, or
+        the page ids of all waiting Metadata (their decoded objects, about 40 bytes an id)."""
+        if peer.peer_id in self._pending.get(m.room, {}):
+            return None
+        if len(peer.rooms) >= self.limits.max_rooms_per_peer:
+            return "room cap of the peer reached"
+        if self._pending_pages + len(m.pages) > self.limits.max_pending_pages:
+            return "pending metadata pages cap reached"
+        return None
 
     def _adopt(self, r: WriterRoom, peer: Peer, m: Metadata) -> None:
         """Link `r` to the decode rank that sent `m` (idempotent), or fail the room if `m` does not fit it."""
@@ -446,6 +462,12 @@ class PrefillEndpoint(EndpointCore):
         self._request("ready", peer_id, ChunkReady(room=r.room, chunk=index, epoch=chunk.region.epoch), index)
         self._pump_link(r, link)
 
+    def _room_deadline(self, room: int) -> float:
+        r = self._rooms.get(room)
+        if r is not None:
+            return r.deadline
+        return max((expires for _, expires in self._pending.get(room, {}).values()), default=self._now)
+
     def _deadline_live(self, when: float, room: int) -> bool:
         r = self._rooms.get(room)
         if r is not None:
@@ -465,8 +487,10 @@ class PrefillEndpoint(EndpointCore):
 
     def _drop_pending(self, room: int, peer_id: str) -> None:
         entries = self._pending.get(room)
-        if entries is None or entries.pop(peer_id, None) is None:
+        entry = None if entries is None else entries.pop(peer_id, None)
+        if entries is None or entry is None:
             return
+        self._pending_pages -= len(entry[0].pages)
         if not entries:
             del self._pending[room]
         peer = self._peers.get(peer_id)

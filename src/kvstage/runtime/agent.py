@@ -26,7 +26,9 @@ Invariants:
   counted; the agent thread never dies because of one room;
 - inbound frames waiting for the agent thread are capped in count and bytes (`max_inbox`, `max_inbox_bytes`: the
   channel asks before it hands one over); beyond it they are dropped and counted as "inbox full" (the protocol
-  retries every request); sends parked for unresolved peers are bounded in peers, count, bytes and
+  retries every request); they wait as bytes, with only their head read (`_peek`), and a body this side never
+  takes is refused there, never decoded; the agent thread decodes one frame at a time, once its sender is
+  verified (peers.py); sends parked for unresolved peers are bounded in peers, count, bytes and
   time (`outbox.py`, `AgentConfig.park`);
 - a send that fails never changes a room the addressee has no part in (the endpoint checks, R3);
 - per-peer state goes when the peer goes, and a stranger never changes a room: peers.py keeps both (it releases
@@ -48,7 +50,7 @@ from dataclasses import dataclass
 from typing import Any, assert_never
 
 from kvstage.dataplane import KVPool, KVStore
-from kvstage.errors import ConfigError, KVStageError, TransportError
+from kvstage.errors import ConfigError, KVStageError, ProtocolError, TransportError
 from kvstage.protocol import (
     AbortRoom,
     Action,
@@ -61,7 +63,6 @@ from kvstage.protocol import (
     FenceScatter,
     FreePages,
     PrefillEndpoint,
-    Received,
     RoomFailed,
     RoomSucceeded,
     Scatter,
@@ -70,13 +71,14 @@ from kvstage.protocol import (
     WriteDirect,
     WriteRegion,
 )
+from kvstage.protocol.codec import body_tags
 from kvstage.protocol.messages import Envelope
 from kvstage.protocol.reasons import INVALID_REQUEST
 from kvstage.runtime.config import AgentConfig, AgentSnapshot, RoomOutcome, check_peer
 from kvstage.runtime.copier import Copier, CopyDone
 from kvstage.runtime.directory import Resolver
 from kvstage.runtime.metrics import AgentMetrics
-from kvstage.runtime.peers import PeerLinks
+from kvstage.runtime.peers import InboundFrame, PeerLinks
 from kvstage.runtime.trace import ChunkTrace
 from kvstage.transport.auth import FrameAuth
 from kvstage.transport.bootstrap import PeerRecord
@@ -132,7 +134,7 @@ class BaseAgent(PeerLinks):
         self._events: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._inbox_lock = threading.Lock()
         self._inbox = 0
-        self._inbox_sizes: deque[int] = deque()  # frame bytes of each Received queued, in order
+        self._inbox_sizes: deque[int] = deque()  # frame bytes of each InboundFrame queued, in order
         self._inbox_bytes = 0
         self._outcomes: deque[RoomOutcome] = deque()
         self._work: deque[Any] = deque()
@@ -158,10 +160,11 @@ class BaseAgent(PeerLinks):
         try:
             descriptors = self._setup_memory()
             self.endpoint = self._make_endpoint()
+            self._accepted_tags = body_tags(self.endpoint.accepted_bodies())
             self.channel = ControlChannel(
                 self.config.control_bind,
                 encode=self._codec.encode,
-                decode=self._codec.decode,
+                decode=self._peek,
                 deliver=self._deliver,
                 admit=self._admit,
                 on_send_failure=lambda address, env, reason: self._events.put(_ChannelFailure(address, env, reason)),
@@ -322,9 +325,17 @@ class BaseAgent(PeerLinks):
             self._inbox_sizes.append(nbytes)
             return True
 
-    def _deliver(self, envelope: Envelope) -> None:
-        """Control I/O thread: queue an admitted envelope for the agent thread."""
-        self._events.put(Received(envelope))
+    def _peek(self, frame: bytes) -> InboundFrame:
+        """Control I/O thread: the frame's sender, session and body tag, its body left undecoded; `ProtocolError`
+        (counted as undecodable) for a frame whose head does not read or whose body this side never takes."""
+        head = self._codec.peek(frame)
+        if head.tag not in self._accepted_tags:
+            raise ProtocolError(f"a {head.tag!r} body, which a {self.role} rank never takes")
+        return InboundFrame(bytes(frame), head)
+
+    def _deliver(self, inbound: InboundFrame) -> None:
+        """Control I/O thread: queue an admitted frame for the agent thread."""
+        self._events.put(inbound)
 
     def _run(self) -> None:
         while self._turn():
@@ -390,14 +401,12 @@ class BaseAgent(PeerLinks):
             if peer is not None:
                 self._feed(SendFailed(peer, item.envelope, item.reason))
             return
-        if isinstance(item, Received):
+        if isinstance(item, InboundFrame):
             with self._inbox_lock:
                 self._inbox -= 1
-                nbytes = self._inbox_sizes.popleft()
-                self._inbox_bytes -= nbytes
-            if not self._verified(item.envelope, nbytes):
-                return
-            self.trace.message(item.envelope.body, "in", item.envelope.sender)
+                self._inbox_bytes -= self._inbox_sizes.popleft()
+            self._on_frame(item)
+            return
         self._feed(item)
 
     def _feed(self, event: Any) -> None:

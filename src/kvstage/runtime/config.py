@@ -51,7 +51,7 @@ class AgentConfig:
     #: Prefill: writes in flight per decode peer; more wait in order (see PrefillAgent._enqueue_write).
     writes_per_peer: int = 2
     max_inbox: int = 65536
-    #: Frame bytes decoded and waiting for the agent thread (with `max_inbox`: inbound memory is bounded in bytes).
+    #: Frame bytes waiting for the agent thread, undecoded (with `max_inbox`: inbound memory is bounded in bytes).
     max_inbox_bytes: int = 64 * 2**20
     #: Sends parked for peers not resolved yet; `park.ttl_s` also bounds how long the resolver asks for a peer
     #: that never registers.

@@ -1,4 +1,4 @@
-"""Envelopes parked for peers the agent cannot verify yet: bounded in peers, envelopes per peer, bytes and time.
+"""Messages parked for peers the agent cannot verify yet: bounded in peers, messages per peer, bytes and time.
 
 Owns `ParkLimits` and `ParkedSends`, and the reasons an inbound frame is dropped for its sender. An agent can only
 send to a peer whose bootstrap record it holds (the record names the peer's control address). Until the resolver
@@ -23,9 +23,12 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 from kvstage.errors import ConfigError
-from kvstage.protocol.messages import Envelope
+
+#: What is parked: an outbound `Envelope`, or an inbound frame held undecoded (runtime/peers.py).
+T = TypeVar("T")
 
 #: Refusal reasons (the SendFailed reason the agent reports).
 PEER_QUEUE_FULL = "peer not resolved and its parked sends are full"
@@ -34,8 +37,8 @@ EXPIRED = "peer not resolved in time"
 EVICTED = "evicted by younger parked sends"
 
 
-#: (peer, envelope, reason) of a parked send that will not be sent.
-Failed = tuple[str, Envelope, str]
+#: (peer, message, reason) of a parked message that will not go on.
+Failed = tuple[str, T, str]
 
 
 #: The reason a send parked for a peer whose session ended fails with.
@@ -68,19 +71,19 @@ class ParkLimits:
 
 
 @dataclass(frozen=True, slots=True)
-class _Parked:
+class _Parked(Generic[T]):
     since: float
-    envelope: Envelope
+    envelope: T
     nbytes: int
     pinned: bool
 
 
-class ParkedSends:
-    """Envelopes waiting for their peer's record, per peer in arrival order."""
+class ParkedSends(Generic[T]):
+    """Messages waiting for their peer's record, per peer in arrival order."""
 
     def __init__(self, limits: ParkLimits) -> None:
         self.limits = limits
-        self._queues: dict[str, deque[_Parked]] = {}
+        self._queues: dict[str, deque[_Parked[T]]] = {}
         self._bytes = 0
 
     def __len__(self) -> int:
@@ -97,13 +100,13 @@ class ParkedSends:
         """Whether anything is parked for `peer`."""
         return peer in self._queues
 
-    def park(self, peer: str, envelope: Envelope, nbytes: int, now: float, pinned: bool = False) -> list[Failed]:
+    def park(self, peer: str, envelope: T, nbytes: int, now: float, pinned: bool = False) -> list[Failed[T]]:
         """Park `envelope` (`nbytes` encoded) for `peer`. Returns what failed: this envelope if a cap refused it,
         or the envelopes of the peers it evicted. A `pinned` send keeps its peer from being evicted."""
         queue = self._queues.get(peer)
         if queue is not None and len(queue) >= self.limits.max_per_peer:
             return [(peer, envelope, PEER_QUEUE_FULL)]
-        failed: list[Failed] = []
+        failed: list[Failed[T]] = []
         while self._bytes + nbytes > self.limits.max_bytes or (
             queue is None and len(self._queues) >= self.limits.max_peers
         ):
@@ -118,7 +121,7 @@ class ParkedSends:
         self._bytes += nbytes
         return failed
 
-    def pop(self, peer: str) -> list[Envelope]:
+    def pop(self, peer: str) -> list[T]:
         """Every envelope parked for `peer`, oldest first; the peer leaves the table (its record arrived, or its
         session ended)."""
         queue = self._queues.pop(peer, None)
@@ -127,10 +130,10 @@ class ParkedSends:
         self._bytes -= sum(item.nbytes for item in queue)
         return [item.envelope for item in queue]
 
-    def expire(self, now: float) -> list[Failed]:
+    def expire(self, now: float) -> list[Failed[T]]:
         """Take back every envelope parked for longer than `ttl_s`."""
         cutoff = now - self.limits.ttl_s
-        out: list[Failed] = []
+        out: list[Failed[T]] = []
         for peer in [p for p, queue in self._queues.items() if queue[0].since <= cutoff]:
             queue = self._queues[peer]
             while queue and queue[0].since <= cutoff:

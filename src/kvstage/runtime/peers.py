@@ -18,6 +18,9 @@ Invariants:
   newer than its record (a restart the resolver has not seen yet), is held until the record arrives, bounded as
   the parked sends are (`AgentConfig.park`); one from an older session, or from a sender no record names in time,
   is dropped and counted in `kvstage_rejected_frames` (docs/security.md, "Who may talk to a room");
+- a frame is decoded only once its sender is verified: until then it is its bytes and its head (`InboundFrame`,
+  read by `Codec.peek`), so what a frame costs while it waits is what it weighs on the wire (plus
+  `HELD_OVERHEAD`), never its decoded objects, several times that;
 - every send either goes to the control channel, is parked, or comes back to the endpoint as `SendFailed`; a
   parked send that will never go comes back the same way, with its reason; an older session's record never
   replaces a newer one's.
@@ -31,10 +34,12 @@ from __future__ import annotations
 import logging
 import time
 from abc import ABC, abstractmethod
-from typing import Any, ClassVar
+from dataclasses import dataclass
+from typing import Any, ClassVar, Final
 
-from kvstage.errors import ConfigError, TransportError
+from kvstage.errors import ConfigError, ProtocolError, TransportError
 from kvstage.protocol import Codec, DecodeEndpoint, PrefillEndpoint, Received, SendFailed
+from kvstage.protocol.codec import FrameHead
 from kvstage.protocol.messages import Envelope, Metadata, RoomBody
 from kvstage.runtime.config import AgentConfig, check_peer
 from kvstage.runtime.directory import Resolver
@@ -49,10 +54,29 @@ from kvstage.runtime.outbox import (
     ParkedSends,
     ParkLimits,
 )
+from kvstage.runtime.trace import ChunkTrace
 from kvstage.transport.bootstrap import PeerRecord
 from kvstage.transport.control import ControlChannel
 
 log = logging.getLogger(__name__)
+
+#: Bytes a held frame is counted for beyond its own: the objects that hold it (its head, the entry of its queue).
+HELD_OVERHEAD: Final = 256
+#: Why a verified frame that `peek` read still did not decode (`kvstage_rejected_frames{reason}`).
+UNDECODABLE = "undecodable"
+
+
+@dataclass(frozen=True, slots=True)
+class InboundFrame:
+    """A frame the control channel read (and authenticated), of which only the head is decoded (`Codec.peek`)."""
+
+    frame: bytes
+    head: FrameHead
+
+    @property
+    def nbytes(self) -> int:
+        """What it weighs while it waits: its bytes and the objects that hold them."""
+        return len(self.frame) + HELD_OVERHEAD
 
 
 class PeerLinks(ABC):
@@ -64,16 +88,17 @@ class PeerLinks(ABC):
     config: AgentConfig
     peer_id: str
     metrics: AgentMetrics
+    trace: ChunkTrace
     endpoint: DecodeEndpoint | PrefillEndpoint
-    channel: ControlChannel[Envelope]
+    channel: ControlChannel[Envelope, InboundFrame]
     resolver: Resolver
     _codec: Codec
 
     def __init__(self, park: ParkLimits) -> None:
         self._records: dict[str, PeerRecord] = {}
         self._peer_of_address: dict[str, str] = {}
-        self._parked = ParkedSends(park)
-        self._held = ParkedSends(park)  # inbound frames of senders not verified yet, per sender
+        self._parked: ParkedSends[Envelope] = ParkedSends(park)
+        self._held: ParkedSends[InboundFrame] = ParkedSends(park)  # frames of senders not verified yet, per sender
         self._incompatible: dict[str, str] = {}
 
     @abstractmethod
@@ -90,11 +115,26 @@ class PeerLinks(ABC):
 
     # ---- inbound: who may reach the endpoint --------------------------------------------------------------
 
-    def _verified(self, envelope: Envelope, nbytes: int) -> bool:
-        """Whether `envelope` may reach the endpoint: the agent holds its sender's record, of the same session.
-        Otherwise the frame is held until the record arrives (sender not resolved yet, or a newer session: a
-        restart), or dropped and counted (an older session, an incompatible peer, or the holding caps)."""
-        sender, session = envelope.sender, envelope.session
+    def _on_frame(self, inbound: InboundFrame) -> None:
+        """A frame from the control channel: decoded and handed to the endpoint once its sender is verified."""
+        if self._verified(inbound):
+            self._feed_frame(inbound)
+
+    def _feed_frame(self, inbound: InboundFrame) -> None:
+        try:
+            envelope = self._codec.decode(inbound.frame)
+        except ProtocolError as exc:
+            log.debug("%s: a frame of %r does not decode: %s", self.peer_id, inbound.head.sender, exc)
+            self.metrics.frame_rejected(UNDECODABLE)
+            return
+        self.trace.message(envelope.body, "in", envelope.sender)
+        self._feed(Received(envelope))
+
+    def _verified(self, inbound: InboundFrame) -> bool:
+        """Whether the frame may reach the endpoint: the agent holds its sender's record, of the same session.
+        Otherwise the frame is held, undecoded, until the record arrives (sender not resolved yet, or a newer
+        session: a restart), or dropped and counted (an older session, an incompatible peer, or the holding caps)."""
+        sender, session = inbound.head.sender, inbound.head.session
         record = self._records.get(sender)
         if record is not None and session == record.session:
             return True
@@ -105,17 +145,18 @@ class PeerLinks(ABC):
         if not asked:
             self.metrics.frame_rejected(f"{UNVERIFIED}: too many unresolved peers")
             return False
-        for _, _, reason in self._held.park(sender, envelope, nbytes, time.monotonic()):
+        for _, _, reason in self._held.park(sender, inbound, inbound.nbytes, time.monotonic()):
             self.metrics.frame_rejected(f"{UNVERIFIED}: {reason}")
         return False
 
     def _release_held(self, record: PeerRecord) -> None:
         """`record` arrived: the frames held from its sender go to the endpoint if they are of its session."""
-        for envelope in self._held.pop(record.peer_id):
-            if envelope.session == record.session:
-                self._feed(Received(envelope))
+        for inbound in self._held.pop(record.peer_id):
+            session = inbound.head.session
+            if session == record.session:
+                self._feed_frame(inbound)
             else:
-                self.metrics.frame_rejected(STALE_SESSION if envelope.session < record.session else UNREGISTERED)
+                self.metrics.frame_rejected(STALE_SESSION if session < record.session else UNREGISTERED)
 
     # ---- outbound: send, park or fail ---------------------------------------------------------------------
 

@@ -41,6 +41,7 @@ class EventKind(enum.Enum):
     QUARANTINE_RESTART = "quarantine restart"  # a writer is armed to restart while decode quarantines its room
     PARTITION = "partition"  # a set of ranks is cut off for a while
     WRITER_PARTITION = "writer partition"  # one writer's control frames are dropped; its data path stays up
+    EDGE_RESTART = "edge restart"  # a writer is armed to post at its lease's edge, then restart
     PAUSE = "pause"  # a writer is armed to stall (GC, swap) right after it next asks for a write
     RESUME = "resume"  # and resumes, handling what queued up meanwhile
     HOSTILE = "hostile"  # a hostile frame arrives

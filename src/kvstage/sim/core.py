@@ -17,7 +17,7 @@ import random
 from abc import ABC, abstractmethod
 
 from kvstage.layout import KVLayout
-from kvstage.protocol import Codec, Event
+from kvstage.protocol import Codec, Event, WriteDirect, WriteRegion
 from kvstage.sim.clock import EventKind, EventQueue, NodeClock
 from kvstage.sim.faults import FaultProfile
 from kvstage.sim.invariants import Checker
@@ -34,6 +34,8 @@ class WorldCore(ABC):
     config: SimConfig
     profile: FaultProfile
     rng: random.Random
+    edge_rng: random.Random  # the timing-edge faults' own draws, so the other faults' draws stay as they were
+    edges: int  # edge restarts in this run (FaultProfile.edge_restarts)
     queue: EventQueue
     scenario: Scenario
     network: Network
@@ -70,12 +72,17 @@ class WorldCore(ABC):
         """Stall `node`'s process now, for longer than the peers' death timeout (world.py)."""
 
     @abstractmethod
+    def _stall_to_lease_edge(self, node: Node, action: WriteRegion | WriteDirect) -> None:
+        """Stall `node` until just before its lease for `action` runs out, then restart its instance (world.py)."""
+
+    @abstractmethod
     def _crash_decode(self, instance: DecodeInstance) -> None:
         """Crash every rank of a decode instance now; it restarts later with new sessions (engines.py)."""
 
     @abstractmethod
-    def _restart_writer(self, instance: PrefillInstance) -> None:
-        """Crash a prefill instance now; it restarts soon with a new session (engines.py)."""
+    def _restart_writer(self, instance: PrefillInstance, *, at_once: bool = False) -> None:
+        """Crash a prefill instance now (`at_once`: before anything else, even what happens at this same time); it
+        restarts soon with a new session (engines.py)."""
 
     @property
     def now(self) -> float:

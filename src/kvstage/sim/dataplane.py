@@ -47,6 +47,8 @@ class DataPlane(WorldCore):
         self.queue.push(self.queue.now + self.rng.expovariate(1 / POST_MEAN_S), EventKind.POST, post)
         if node.pause_armed:
             self._pause(node)
+        elif node.edge_armed:
+            self._stall_to_lease_edge(node, action)
 
     def _on_post(self, post: PendingPost) -> None:
         node, action = post.node, post.action
@@ -83,6 +85,7 @@ class DataPlane(WorldCore):
             return
         payload = self._gather(node, action) if self.payloads else None
         delay = self._write_delay(node, action)
+        edge, node.edge_post = node.edge_post, False
         if self.network.cut(node.peer_id, target.peer_id, self.queue.now, data=True):
             self._complete(node, node.session, Completion(action.token, False, "partitioned"), self.queue.now + delay)
             return
@@ -98,13 +101,13 @@ class DataPlane(WorldCore):
         decode, writer = self.decode[target.instance], self.prefill[node.instance]
         if decode.crash_armed:
             self._crash_decode(decode)
-        if writer.restart_armed:
-            self._restart_writer(writer)
+        if writer.restart_armed or edge:
+            self._restart_writer(writer, at_once=edge)
 
     def _write_delay(self, node: Node, action: WriteRegion | WriteDirect) -> float:
         """How long a write posted now takes to land: 1 ms, its bytes and the network delay, plus the faults' share
         (slow, stalled), at least 0.5-1 x max_write_s for a writer in trouble (about to crash, just back from a
-        stall, or cut off on the control plane)."""
+        stall, or cut off on the control plane), at least 0.9-1 x max_write_s for the write of an edge restart."""
         nbytes = action.block.nbytes if isinstance(action, WriteRegion) else action.num_tokens
         delay = WRITE_S + nbytes * WRITE_PER_BYTE_S + self.network.delay()
         if self.profile.slow_writes and self.rng.random() < self.profile.slow_writes:
@@ -115,6 +118,8 @@ class DataPlane(WorldCore):
         troubled = self.prefill[node.instance].restart_armed or node.resumed_at == now
         if troubled or self.network.control_cut_off(node.peer_id, now):
             delay = max(delay, self.rng.uniform(0.5, 1.0) * self.max_write_s)
+        if node.edge_post:
+            delay = max(delay, self.edge_rng.uniform(0.9, 1.0) * self.max_write_s)
         return delay
 
     def _gather(self, node: Node, action: WriteRegion | WriteDirect) -> bytes | Words:

@@ -51,14 +51,18 @@ class Engines(WorldCore):
         self._sessions += 1
         return self._sessions
 
-    def _clock(self, peer_id: str) -> NodeClock:
-        """The clock of `peer_id`'s host, drawn once (a restarted process reads the same clock)."""
+    def _clock(self, peer_id: str, side: str) -> NodeClock:
+        """The clock of `peer_id`'s host, drawn once (a restarted process reads the same clock). In a seed with edge
+        restarts (FaultProfile.edge_clocks), decode hosts' clocks run fast and prefill hosts' slow, at the bound."""
         clock = self.clocks.get(peer_id)
         if clock is None:
             clock = NodeClock()
             if self.profile.drifting_clocks:
                 drift = self.config.timing.clock_drift
-                clock = NodeClock(self.rng.uniform(1.0, 100.0), 1.0 + self.rng.uniform(-drift, drift))
+                offset, rate = self.rng.uniform(1.0, 100.0), 1.0 + self.rng.uniform(-drift, drift)
+                if self.edges and self.profile.edge_clocks:  # the worst case for decode's quarantine
+                    rate = 1.0 + drift if side == "decode" else 1.0 - drift
+                clock = NodeClock(offset, rate)
             self.clocks[peer_id] = clock
         return clock
 
@@ -79,7 +83,7 @@ class Engines(WorldCore):
                 attention=self.scenario.topology.attention,
                 timing=self.config.timing,
             )
-            node = Node(peer_id, "decode", instance.index, rank, instance.tp, clock=self._clock(peer_id))
+            node = Node(peer_id, "decode", instance.index, rank, instance.tp, clock=self._clock(peer_id, "decode"))
             node.session = self._next_session()
             node.ring = ring
             node.endpoint = self.config.decode_endpoint(config, node.session, ring=ring, codec=self.codec)
@@ -104,7 +108,7 @@ class Engines(WorldCore):
             config = PrefillConfig(
                 peer_id=peer_id, layout=self.layout, tp_size=instance.tp, rank=rank, timing=self.config.timing
             )
-            node = Node(peer_id, "prefill", instance.index, rank, instance.tp, clock=self._clock(peer_id))
+            node = Node(peer_id, "prefill", instance.index, rank, instance.tp, clock=self._clock(peer_id, "prefill"))
             node.session = instance.session
             node.endpoint = self.config.prefill_endpoint(config, node.session, codec=self.codec)
             node.pool = instance.pool
@@ -403,11 +407,22 @@ class Engines(WorldCore):
     def _on_quarantine_restart(self, index: int) -> None:
         self.prefill[index].restart_armed = True
 
-    def _restart_writer(self, instance: PrefillInstance) -> None:
-        """FaultProfile.quarantine_restarts: the instance crashes now, right after posting a slow write, and
-        comes back 10-50 ms later, so decode meets its new incarnation while the old one's write is in flight."""
+    def _restart_writer(self, instance: PrefillInstance, *, at_once: bool = False) -> None:
+        """FaultProfile.quarantine_restarts and edge_restarts: the instance crashes now, right after posting a slow
+        write, and comes back 10-50 ms later, so decode meets its new incarnation while the old one's write is in
+        flight. `at_once` (an edge restart): it crashes before it handles or sends anything more."""
         instance.restart_armed = False
-        self.queue.push(self.queue.now, EventKind.CRASH, (instance.index, self.rng.uniform(0.01, 0.05)))
+        if at_once:
+            self._on_crash((instance.index, self._edge_downtime()))
+        else:
+            self.queue.push(self.queue.now, EventKind.CRASH, (instance.index, self.rng.uniform(0.01, 0.05)))
+
+    def _edge_downtime(self) -> float:
+        """An edge restart's writer is down 10-50 ms (decode meets its new incarnation: quarantine) or, in half of
+        them, 1-1.5 x dead_after_s (decode declares it dead first and frees its space at once)."""
+        if self.edge_rng.random() < 0.5:
+            return self.edge_rng.uniform(0.01, 0.05)
+        return self.edge_rng.uniform(1.0, 1.5) * self.config.timing.dead_after_s
 
     def _on_decode_crash(self, index: int) -> None:
         self.decode[index].crash_armed = True

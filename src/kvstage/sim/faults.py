@@ -8,7 +8,8 @@ Owns: `FaultProfile` (a frozen bundle of probabilities and switches) and `FAULT_
   aborted (from either side), some rooms with deadlines too tight to finish, some bulk-write and scatter failures,
   writes that stall past the transport's bound, drifting clocks, and, in some seeds, each process fault of
   `heavy` once: a writer cut off on the control plane, a stalled writer, a decode crash, a writer restarting
-  during a quarantine, and hostile frames (forged, stale and replayed).
+  during a quarantine, and hostile frames (forged, stale and replayed); a writer restarting with a write posted at
+  the end of its lease and landing at the end of `max_write_s`, and clocks at the edge of the allowed drift.
 - `heavy`: more of everything, plus prefill crash and restart (new session id), network partitions, and a ring
   small enough to force wrapping.
 
@@ -62,6 +63,16 @@ class FaultProfile:
     quarantine_restarts: float = 0.0
     """A prefill instance crashes right after posting a write that takes 0.5-1 x max_write_s, and restarts 10-50 ms
     later: decode meets the new incarnation while the old one's write is in flight, and quarantines its room."""
+    edge_restarts: float = 0.0
+    """A writer stalls right after it next asks for a write until just before its lease towards that decode rank
+    runs out (a slow post), then posts it; the write takes 0.9-1 x max_write_s, and the writer's instance crashes
+    right after posting, sending nothing more, and restarts 10-50 ms later (decode quarantines the old
+    incarnation's space) or, in half of them, 1-1.5 x dead_after_s later (decode declares it dead first). Either
+    way a write sits at the edge of both bounds: posted at the end of its lease, landing at the end of
+    `max_write_s`, while decode's quarantine or death timer runs."""
+    edge_clocks: bool = False
+    """In seeds with an edge restart, clocks drift at their bound the worst way for the quarantine: decode hosts'
+    run at 1 + `clock_drift`, prefill hosts' at 1 - `clock_drift` (with `drifting_clocks`)."""
     partitions: int = 0
     partition_length: float = 0.0
     """Longest partition; partitions last 0.1 s up to this, some longer than the peer-death timeout."""
@@ -90,6 +101,8 @@ FAULT_LEVELS: dict[str, FaultProfile] = {
         writer_pauses=0.3,
         decode_crashes=0.2,
         quarantine_restarts=0.3,
+        edge_restarts=0.5,
+        edge_clocks=True,
     ),
     "heavy": FaultProfile(
         "heavy",
@@ -110,6 +123,8 @@ FAULT_LEVELS: dict[str, FaultProfile] = {
         writer_pauses=1.0,
         decode_crashes=0.5,
         quarantine_restarts=1.0,
+        edge_restarts=1.0,
+        edge_clocks=True,
         partitions=2,
         partition_length=1.4,
         ring_chunks=2.0,

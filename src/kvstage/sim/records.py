@@ -74,6 +74,10 @@ class Node:
     resumed_at: float | None = None
     pause_armed: bool = False
     """The node stalls right after it next asks for a write (FaultProfile.writer_pauses)."""
+    edge_armed: bool = False
+    """The node stalls until its lease's edge right after it next asks for a write (FaultProfile.edge_restarts)."""
+    edge_post: bool = False
+    """Its next posted write takes 0.9-1 x max_write_s (the write of an edge restart)."""
 
 
 @dataclass(frozen=True, slots=True)

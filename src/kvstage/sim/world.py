@@ -39,6 +39,7 @@ from kvstage.protocol import (
     FencePeer,
     FenceScatter,
     FreePages,
+    PrefillEndpoint,
     ReceivedFrame,
     RoomFailed,
     RoomSucceeded,
@@ -86,6 +87,9 @@ class World(DataPlane, Engines):
         self.config = config
         self.profile = config.profile
         self.rng = random.Random(seed)
+        self.edge_rng = random.Random(f"edges/{seed}")
+        edge_rate = self.profile.edge_restarts
+        self.edges = int(edge_rate) + (self.edge_rng.random() < edge_rate % 1)
         self.queue = EventQueue()
         self.scenario = make_scenario(self.rng, config)
         self.network = Network(self.rng, self.profile, self.queue)
@@ -139,6 +143,7 @@ class World(DataPlane, Engines):
             EventKind.PARTITION: self._on_partition,
             EventKind.WRITER_PARTITION: self._on_writer_partition,
             EventKind.PAUSE: self._on_pause_armed,
+            EventKind.EDGE_RESTART: self._on_edge_armed,
             EventKind.RESUME: self._on_resume,
             EventKind.HOSTILE: self._on_hostile,
         }
@@ -163,6 +168,8 @@ class World(DataPlane, Engines):
             self.queue.push(self.rng.uniform(0.0, span), EventKind.WRITER_PARTITION, None)
         for _ in range(self._count(profile.writer_pauses)):
             self.queue.push(self.rng.uniform(0.0, span), EventKind.PAUSE, None)
+        for _ in range(self.edges):
+            self.queue.push(self.edge_rng.uniform(0.0, span), EventKind.EDGE_RESTART, None)
         for _ in range(self._count(profile.decode_crashes)):
             self.queue.push(self.rng.uniform(0.0, span), EventKind.DECODE_CRASH, self.rng.randrange(len(self.decode)))
         for _ in range(self._count(profile.quarantine_restarts)):
@@ -400,9 +407,28 @@ class World(DataPlane, Engines):
         writer = self.rng.choice(sorted(name for name, node in self.nodes.items() if node.side == "prefill"))
         self.nodes[writer].pause_armed = True
 
+    def _on_edge_armed(self, _payload: None) -> None:
+        writer = self.edge_rng.choice(sorted(name for name, node in self.nodes.items() if node.side == "prefill"))
+        self.nodes[writer].edge_armed = True
+
     def _pause(self, node: Node) -> None:
         node.pause_armed = False
-        length = self.rng.uniform(0.3, 1.8) * self.config.timing.dead_after_s
+        self._stall(node, self.rng.uniform(0.3, 1.8) * self.config.timing.dead_after_s)
+
+    def _stall_to_lease_edge(self, node: Node, action: WriteRegion | WriteDirect) -> None:
+        """FaultProfile.edge_restarts: the writer stalls until 0-20 ms (its clock) before its lease towards the
+        write's decode rank runs out, posts the write (at least 0.9 x max_write_s long) as it resumes, and its
+        instance crashes right after posting it (dataplane.py); decode hears nothing from it after the stall began."""
+        endpoint = node.endpoint
+        assert isinstance(endpoint, PrefillEndpoint)
+        edge = endpoint.lease_until(action.peer) - self.edge_rng.uniform(0.0, 0.02)
+        if edge <= node.clock.read(self.queue.now):
+            return  # no lease left to stall through: armed for the next write
+        node.edge_armed = False
+        node.edge_post = True
+        self._stall(node, node.clock.when(edge) - self.queue.now)
+
+    def _stall(self, node: Node, length: float) -> None:
         node.paused_until = self.queue.now + length
         self.trace.record(self.queue.now, node.peer_id, "PAUSE", f"for {length * 1000:.0f}ms")
         self.queue.push(node.paused_until, EventKind.RESUME, (node, node.session))

@@ -16,9 +16,11 @@ Invariants:
   dropped as "auth", a replayed one as "replay". Without a secret the channel refuses to bind beyond loopback
   unless `insecure` (`check_bind`);
 - an inbound frame that is multi-part, larger than `max_frame_bytes` or undecodable is counted by reason and
-  dropped; it never stops the thread. ZeroMQ itself drops connections that send more than `4 * max_frame_bytes`,
+  dropped; it never stops the thread. ZeroMQ itself drops connections that send more than `2 * max_frame_bytes`,
   so no peer can make the channel hold an unbounded frame;
-- memory is bounded: outbox capacity, peer count and per-socket high-water marks are all fixed at construction.
+- memory is bounded: outbox capacity, peer count and per-socket high-water marks are all fixed at construction,
+  and what ZeroMQ may queue per inbound connection is bounded in bytes (`ChannelConfig.recv_queue_bytes`: the
+  receive high-water mark, in frames, is derived from it and the largest frame ZeroMQ accepts).
   The owner closes the socket of a peer whose session ended (`forget_peer`, never refused for a full outbox:
   it frees what the outbox guards), so the peer count follows the peers alive now.
 
@@ -44,7 +46,8 @@ from kvstage.transport.auth import OVERHEAD, FrameAuth, check_bind
 
 log = logging.getLogger(__name__)
 
-M = TypeVar("M")
+M = TypeVar("M")  # what the owner sends (`encode` makes a frame of it)
+In = TypeVar("In")  # what the owner receives (`decode` makes it of a frame)
 
 #: Reasons under which inbound frames are rejected (metric label values).
 REJECT_MULTIPART = "multipart"
@@ -75,9 +78,13 @@ class ChannelConfig:
     outbox_capacity: int = 4096
     max_peers: int = 256
     peer_send_hwm: int = 10_000
-    #: Frames ZeroMQ may queue per inbound connection before the I/O thread reads them (each at most
-    #: 4 * max_frame_bytes): the one inbound buffer the channel bounds in frames, not bytes (docs/security.md).
+    #: Frames ZeroMQ may queue per inbound connection before the I/O thread reads them, at most; fewer where
+    #: `recv_queue_bytes` says so.
     recv_hwm: int = 1000
+    #: Bytes ZeroMQ may queue per inbound connection before the I/O thread reads them: the receive high-water mark
+    #: is `recv_queue_bytes // max_message_bytes` frames (at least 1, at most `recv_hwm`), and ZeroMQ holds at most
+    #: one more frame per connection while it reads it (docs/security.md, "Bounds").
+    recv_queue_bytes: int = 64 * 2**20
     recv_batch: int = 256
     poll_interval_s: float = 0.1
     #: Rejected frames are logged at most once per this many seconds per reason (with the count since the last
@@ -85,9 +92,22 @@ class ChannelConfig:
     reject_log_interval_s: float = 1.0
 
     def __post_init__(self) -> None:
-        for name in ("max_frame_bytes", "outbox_capacity", "max_peers", "peer_send_hwm", "recv_hwm", "recv_batch"):
+        names = ("max_frame_bytes", "outbox_capacity", "max_peers", "peer_send_hwm", "recv_hwm", "recv_queue_bytes",
+                 "recv_batch")  # fmt: skip
+        for name in names:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+    @property
+    def max_message_bytes(self) -> int:
+        """The largest frame ZeroMQ accepts (a larger one closes its connection): twice `max_frame_bytes` sealed,
+        so a frame somewhat over the bound is still read, counted and dropped as "oversize"."""
+        return 2 * (self.max_frame_bytes + OVERHEAD)
+
+    @property
+    def receive_hwm(self) -> int:
+        """ZeroMQ's receive high-water mark per inbound connection, in frames (see `recv_queue_bytes`)."""
+        return max(1, min(self.recv_hwm, self.recv_queue_bytes // self.max_message_bytes))
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,7 +126,7 @@ class _Forget:
         self.peer = peer
 
 
-class ControlChannel(Generic[M]):
+class ControlChannel(Generic[M, In]):
     """A bound ROUTER plus per-peer DEALERs, driven by one I/O thread.
 
     `encode` runs on the caller's thread inside `send`; `decode` and the callbacks run on the I/O thread and must
@@ -120,8 +140,8 @@ class ControlChannel(Generic[M]):
         bind: str,
         *,
         encode: Callable[[M], bytes],
-        decode: Callable[[bytes], M],
-        deliver: Callable[[M], None],
+        decode: Callable[[bytes], In],
+        deliver: Callable[[In], None],
         on_send_failure: Callable[[str, M, str], None],
         on_reject: Callable[[str], None] | None = None,
         admit: Callable[[int], bool] | None = None,
@@ -162,7 +182,7 @@ class ControlChannel(Generic[M]):
 
     # ---- caller side -------------------------------------------------------------------------------------
 
-    def start(self) -> ControlChannel[M]:
+    def start(self) -> ControlChannel[M, In]:
         """Start the I/O thread; returns once the ROUTER is bound (raises `TransportError` if binding failed, and
         `ConfigError` for a bind beyond loopback without a secret or `insecure`)."""
         check_bind(self._bind, self._auth is not None, self._insecure, f"control channel {self.name}")
@@ -211,7 +231,7 @@ class ControlChannel(Generic[M]):
         self._wake_send.close()
         self._wake_recv.close()
 
-    def __enter__(self) -> ControlChannel[M]:
+    def __enter__(self) -> ControlChannel[M, In]:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
@@ -245,8 +265,8 @@ class ControlChannel(Generic[M]):
         try:
             router = self._context.socket(zmq.ROUTER)
             router.setsockopt(zmq.LINGER, 0)
-            router.setsockopt(zmq.MAXMSGSIZE, 4 * self.config.max_frame_bytes + OVERHEAD)
-            router.setsockopt(zmq.RCVHWM, self.config.recv_hwm)
+            router.setsockopt(zmq.MAXMSGSIZE, self.config.max_message_bytes)
+            router.setsockopt(zmq.RCVHWM, self.config.receive_hwm)
             router.bind(self._bind)
             self._address = router.getsockopt_string(zmq.LAST_ENDPOINT)
         except zmq.ZMQError as exc:
