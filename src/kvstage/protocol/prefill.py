@@ -20,7 +20,7 @@ grants are checked for chunk range and region size; unknown rooms allocate nothi
 from __future__ import annotations
 
 from kvstage.errors import ConfigError, InvalidRequest
-from kvstage.layout import WriterBlock, pages_for
+from kvstage.layout import WriterBlock, page_slice, pages_for
 from kvstage.protocol import reasons
 from kvstage.protocol.actions import RoomFailed, RoomSucceeded, WriteDirect, WriteRegion
 from kvstage.protocol.base import EndpointCore, Peer
@@ -287,7 +287,8 @@ class PrefillEndpoint(EndpointCore):
         token = self._new_token()
         self._tokens[token] = (r.room, link.peer_id, index)
         r.in_flight += 1
-        pages = link.grid.pages_of(span)
+        page_size = self.config.layout.page_size  # this rank's pages; decode's may be larger or smaller
+        src_pages, src_offset = r.pages[page_slice(span.start, span.end, page_size)], span.start % page_size
         assert peer.incarnation is not None  # a grant came from it
         dst_session = peer.incarnation[0]
         if link.plan_full is None:
@@ -297,13 +298,14 @@ class PrefillEndpoint(EndpointCore):
                     link.peer_id,
                     r.room,
                     index,
-                    r.pages[pages],
-                    link.meta.pages[pages],
+                    src_pages,
+                    link.meta.pages[link.grid.pages_of(span)],
                     span.num_tokens,
                     link.transfer,
                     self.session,
                     self.epoch_towards(peer.peer_id),
                     dst_session,
+                    src_offset,
                 )
             )
             return
@@ -314,7 +316,7 @@ class PrefillEndpoint(EndpointCore):
                 link.peer_id,
                 r.room,
                 index,
-                r.pages[pages],
+                src_pages,
                 span.num_tokens,
                 span.start,
                 block,
@@ -322,6 +324,7 @@ class PrefillEndpoint(EndpointCore):
                 self.session,
                 self.epoch_towards(peer.peer_id),
                 dst_session,
+                src_offset,
             )
         )
 

@@ -242,9 +242,10 @@ class PrefillAgent(BaseAgent):
         self._rings[record.peer_id] = (record.session, ring)
         pool = self._import(record, "pool")
         if pool is not None:
-            heads = len(heads_of_rank(self.config.layout.num_kv_heads, record.tp_size, record.rank))
-            pages = pool.nbytes // self.config.layout.bytes_per_page(heads)
-            self._pools[record.peer_id] = (record.session, pool, PoolGeometry(self.config.layout, heads, pages))
+            layout = record.layout.to_layout()  # decode's: its page size may differ from this rank's
+            heads = len(heads_of_rank(layout.num_kv_heads, record.tp_size, record.rank))
+            pages = pool.nbytes // layout.bytes_per_page(heads)
+            self._pools[record.peer_id] = (record.session, pool, PoolGeometry(layout, heads, pages))
 
     def _import(self, record: PeerRecord, name: str) -> RemoteRegion | None:
         blob = record.descriptors.get(name)
@@ -347,7 +348,8 @@ class PrefillAgent(BaseAgent):
             with self._claims.reading(action.room, self.copier.stream):
                 slots = None if known is None else known.of(action, self.pool.layout.page_size)
                 if slots is None:  # no lookup at kv_ready (its pages were refused) or other pages: this chunk's
-                    slots = self.pool.slot_indices(action.src_pages, 0, action.num_tokens)
+                    first = action.src_offset
+                    slots = self.pool.slot_indices(action.src_pages, first, first + action.num_tokens)
                 return gather_slots(self.pool, slots, *heads, staging, offset)
 
         self.copier.submit(action.token, job)
@@ -374,7 +376,14 @@ class PrefillAgent(BaseAgent):
         geometry = self._pools[action.peer][2]
         try:
             slices = plan_direct_slices(
-                self.pool.geometry, geometry, action.transfer, action.src_pages, action.dst_pages, 0, action.num_tokens
+                self.pool.geometry,
+                geometry,
+                action.transfer,
+                action.src_pages,
+                action.dst_pages,
+                0,
+                action.num_tokens,
+                src_shift=action.src_offset,
             )
         except KVStageError as exc:
             self._complete(action.token, False, f"direct plan failed: {exc}")
