@@ -2,12 +2,13 @@
 the end-to-end tests of this folder: a bootstrap service, prefill instances P2 (TP=2) and P1 (TP=1), decode
 instances D1 (TP=1) and D2 (TP=2), and one kvstage router per set of instances under test.
 
-Servers start once per session, together (about 2-4 min on 2 cores); so does PS, a prefill instance (TP=1) with
-a tiny KV cache, when a collected test asks for it (the `small_prefill` fixture). A test may add a server of its
-own (`Cluster.start`), which lives until the session ends or a test kills it. The tests that kill an instance
-(or may leave one dead) are named `test_z...`: they run after every other test of this folder, in the order of
-their names, whatever module they are in (`pytest_collection_modifyitems` below), and take only the instances they
-kill.
+Servers start once per session, together (about 2-4 min on 2 cores); so does PS, a prefill instance (TP=1) with a
+tiny KV cache, when a collected test asks for it (the `small_prefill` fixture), and so do P32 and D32, a prefill and
+a decode instance (TP=1) of 32-token blocks against the others' 128 (the `small_blocks` fixture). A test may add a
+server of its own (`Cluster.start`), which lives until the session ends or a test kills it. The tests that kill an
+instance (or may leave one dead) are named `test_z...`: they run after every other test of this folder, in the order
+of their names, whatever module they are in (`pytest_collection_modifyitems` below), and take only the instances
+they kill.
 """
 
 from __future__ import annotations
@@ -42,6 +43,14 @@ SMALL_PREFILL_SPEC: dict[str, Any] = {
         *("--max-num-batched-tokens", "128"),
         *("--long-prefill-token-threshold", "32"),
     ),
+}
+
+#: Instances whose vLLM block size (32) differs from the cluster's (vLLM CPU's default, 128; it takes multiples of
+#: 32): a prefill and a decode, both TP=1. Only sessions with a test that uses the `small_blocks` fixture start them,
+#: with the other servers.
+SMALL_BLOCKS: dict[str, tuple[str, int, dict[str, Any]]] = {
+    "P32": ("prefill", 1, {"extra_args": ("--block-size", "32")}),
+    "D32": ("decode", 1, {"extra_args": ("--block-size", "32")}),
 }
 
 #: The cluster's servers are ready within this, or the session fails.
@@ -146,8 +155,10 @@ def cluster(
         "D1": ("decode", 1, {}),
         "D2": ("decode", 2, {}),
     }
-    if any("small_prefill" in getattr(item, "fixturenames", ()) for item in request.session.items):
+    if _asked_for("small_prefill", request):
         layout[SMALL_PREFILL] = ("prefill", 1, SMALL_PREFILL_SPEC)  # it starts with the others, not on its own
+    if _asked_for("small_blocks", request):
+        layout.update(SMALL_BLOCKS)
     for name, (role, tp, fields) in layout.items():
         cluster.specs[name] = cluster.spec_for(name, role, tp, **fields)
         cluster.procs[name] = start_vllm(cluster.specs[name], logs)
@@ -159,6 +170,20 @@ def cluster(
     finally:
         for proc in [*cluster.routers.values(), *cluster.procs.values(), bootstrap]:
             proc.stop()
+
+
+def _asked_for(fixture: str, request: pytest.FixtureRequest) -> bool:
+    """Whether a collected test uses `fixture` (its instances then start with the cluster)."""
+    return any(fixture in getattr(item, "fixturenames", ()) for item in request.session.items)
+
+
+@pytest.fixture(scope="session")
+def small_blocks(cluster: Cluster) -> tuple[str, ...]:
+    """The instances of 32-token blocks (SMALL_BLOCKS), started with the cluster when a collected test asks for them."""
+    for name, (role, tp, fields) in SMALL_BLOCKS.items():
+        if name not in cluster.specs:
+            cluster.start(name, role, tp, **fields)
+    return tuple(SMALL_BLOCKS)
 
 
 @pytest.fixture(scope="session")
