@@ -57,6 +57,7 @@ COUNTERS = (
     "kvstage_room_failures_total",
     "kvstage_ring_high_water_bytes",
     "kvstage_ring_live_bytes",
+    "kvstage_copy_seconds_count",  # gathers (prefill) or scatters (decode): one per staged chunk and writer block
 )
 
 
