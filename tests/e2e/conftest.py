@@ -3,12 +3,11 @@ the end-to-end tests of this folder: a bootstrap service, prefill instances P2 (
 instances D1 (TP=1) and D2 (TP=2), and one kvstage router per set of instances under test.
 
 Servers start once per session, together (about 2-4 min on 2 cores); so does PS, a prefill instance (TP=1) with a
-tiny KV cache, when a collected test asks for it (the `small_prefill` fixture), and so do P32 and D32, a prefill and
-a decode instance (TP=1) of 32-token blocks against the others' 128 (the `small_blocks` fixture). A test may add a
-server of its own (`Cluster.start`), which lives until the session ends or a test kills it. The tests that kill an
-instance (or may leave one dead) are named `test_z...`: they run after every other test of this folder, in the order
-of their names, whatever module they are in (`pytest_collection_modifyitems` below), and take only the instances
-they kill.
+tiny KV cache, when a collected test asks for it (the `small_prefill` fixture), and so does D32, a decode instance
+(TP=1) of 32-token blocks against the others' 128 (the `small_blocks` fixture). A test may add a server of its own
+(`Cluster.start`), which lives until the session ends or a test kills it. The tests that kill an instance (or may
+leave one dead) are named `test_z...`: they run after every other test of this folder, in the order of their names,
+whatever module they are in (`pytest_collection_modifyitems` below), and take only the instances they kill.
 """
 
 from __future__ import annotations
@@ -46,12 +45,11 @@ SMALL_PREFILL_SPEC: dict[str, Any] = {
 }
 
 #: Instances whose vLLM block size (32) differs from the cluster's (vLLM CPU's default, 128; it takes multiples of
-#: 32): a prefill and a decode, both TP=1. Only sessions with a test that uses the `small_blocks` fixture start them,
-#: with the other servers.
-SMALL_BLOCKS: dict[str, tuple[str, int, dict[str, Any]]] = {
-    "P32": ("prefill", 1, {"extra_args": ("--block-size", "32")}),
-    "D32": ("decode", 1, {"extra_args": ("--block-size", "32")}),
-}
+#: 32), both TP=1: D32, which sessions with a test that uses the `small_blocks` fixture start with the other
+#: servers, and P32, which the slow test of the reverse direction starts on its own (`Cluster.start`).
+BLOCKS_OF_32: dict[str, Any] = {"extra_args": ("--block-size", "32")}
+SMALL_BLOCKS: dict[str, tuple[str, int, dict[str, Any]]] = {"D32": ("decode", 1, BLOCKS_OF_32)}
+SMALL_BLOCKS_PREFILL: tuple[str, str, int, dict[str, Any]] = ("P32", "prefill", 1, BLOCKS_OF_32)
 
 #: The cluster's servers are ready within this, or the session fails.
 START_TIMEOUT_S = 600.0
@@ -179,7 +177,8 @@ def _asked_for(fixture: str, request: pytest.FixtureRequest) -> bool:
 
 @pytest.fixture(scope="session")
 def small_blocks(cluster: Cluster) -> tuple[str, ...]:
-    """The instances of 32-token blocks (SMALL_BLOCKS), started with the cluster when a collected test asks for them."""
+    """The decode instance of 32-token blocks (SMALL_BLOCKS), started with the cluster when a collected test asks
+    for it."""
     for name, (role, tp, fields) in SMALL_BLOCKS.items():
         if name not in cluster.specs:
             cluster.start(name, role, tp, **fields)
