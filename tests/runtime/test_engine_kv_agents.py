@@ -5,6 +5,7 @@ matched-TP room writes decode's blocks page run to page run (cross-memory writes
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -225,4 +226,19 @@ def test_decode_on_engine_kv_refuses_pages_outside_the_engines_tensors_at_once_a
     assert "outside" in outcomes[5].reason and outcomes[5].reason.startswith("invalid request")
     assert "repeat" in outcomes[6].reason and outcomes[6].pages == (3, 3)
     assert decode.metrics.value("kvstage_room_failures_total", reason="invalid request") == 2
+    assert decode.wait_quiescent(5)
+
+
+def test_a_matched_tp_room_waiting_for_its_writers_records_gives_its_pages_back_at_once_when_aborted(make_cluster):
+    cluster = make_cluster(1, 1, one_allocation=True)
+    (decode,) = cluster.decode
+    pages = tuple(cluster.decode_ranks[0].pages_for(40))
+    decode.expect_room(7, (peer_id("Q", 0),), 40, 0, pages, timeout_s=20)  # no instance Q has registered
+    deadline = time.monotonic() + 5
+    while 7 not in decode._unplaced and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert 7 in decode._unplaced and not decode.snapshot().quiescent  # its path waits for Q's record
+    decode.abort(7)
+    outcome = wait_outcomes(decode, 1)[7]
+    assert (outcome.ok, outcome.reason, outcome.pages) == (False, "aborted by decode", pages)
     assert decode.wait_quiescent(5)

@@ -84,6 +84,7 @@ class DecodeAgent(BaseAgent):
         self._slots: dict[int, RequestSlots] = {}  # open room -> its decode slots, looked up at expect_room
         self._unplaced: dict[int, tuple[float, ExpectRoom]] = {}  # rooms waiting for their writers' records (engine KV)
         self._decided: set[int] = set()  # rooms handed on without those records: they stage
+        self._engine_direct = False  # an engine's own KV exported for direct writes (`_setup_memory`)
         self.ring_region: LocalRegion
 
     # ---- engine-facing -----------------------------------------------------------------------------------
@@ -130,8 +131,9 @@ class DecodeAgent(BaseAgent):
         whose engine blocks are laid out as this rank's (same format and block size), which their records say. A
         room whose writers' records are not here yet waits for them (None), up to `bootstrap_timeout_s`, then
         stages (`_place_waiting`)."""
-        mine = self.engine_blocks
-        if mine is None or len(event.prefill_peers) != self.config.tp_size or event.room in self._decided:
+        mine = self.engine_blocks if self._engine_direct else None
+        matched = len(event.prefill_peers) == self.config.tp_size
+        if mine is None or not matched or event.room in self._decided:
             self._decided.discard(event.room)
             return event
         records = [self._records.get(peer) for peer in event.prefill_peers]
@@ -157,7 +159,9 @@ class DecodeAgent(BaseAgent):
 
     def _setup_memory(self) -> dict[str, bytes]:
         self.ring_region = self._host_region(self.config.ring_bytes)
-        return {"ring": encode_descriptor(self.transport.export(self.ring_region)), **self.export_pool()}
+        exported = self.export_pool()
+        self._engine_direct = "engine" in exported  # writers can reach the engine's own KV page to page
+        return {"ring": encode_descriptor(self.transport.export(self.ring_region)), **exported}
 
     def _decode_config(self) -> DecodeConfig:
         cfg = self.config
@@ -178,7 +182,7 @@ class DecodeAgent(BaseAgent):
         """After `_setup_memory`: an engine's KV is written page to page only where it was exported."""
         ring = StagingRing(self.config.ring_bytes, self.config.ring_alignment)
         config = self._endpoint_config
-        if isinstance(self.pool, EngineKV) and self.engine_blocks is not None and self.pool_region is not None:
+        if self._engine_direct:
             config = replace(config, staged_only=False)
         return DecodeEndpoint(config, self.session, ring=ring, codec=self._codec)
 
