@@ -35,11 +35,11 @@ def span_digests(
 ) -> dict[str, str]:
     """Digests of the spans of tokens [start_token, num_tokens) of a request whose tokens live in `blocks`, keyed
     `"layer.kv.global_head.span"`; a span that starts before `start_token` is left out, the last one is short."""
-    page_size = kv.layout.page_size
+    page_size, block_ids = kv.layout.page_size, torch.tensor(blocks, dtype=torch.int64)
     out: dict[str, str] = {}
     for span in range(ceil_div(start_token, SPAN_TOKENS), ceil_div(num_tokens, SPAN_TOKENS)):
         tokens = torch.arange(span * SPAN_TOKENS, min((span + 1) * SPAN_TOKENS, num_tokens))
-        pages = torch.tensor(blocks, dtype=torch.int64)[tokens // page_size]
+        pages = block_ids[tokens // page_size]
         for layer in range(kv.layout.num_layers):
             for kv_index, view in enumerate((kv.k(layer), kv.v(layer))):
                 rows = view[pages, tokens % page_size]  # [tokens, heads, head_dim], a copy
