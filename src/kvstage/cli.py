@@ -58,8 +58,9 @@ def demo(
         "kvstage bootstrap.",
     ),
 ) -> None:
-    """Run the end-to-end demo: a vLLM prefill server and a vLLM decode server of different TP sizes behind the
-    kvstage router, the tiny local model, every request verified (KV bit-exact, tokens equal to one instance)."""
+    """Run the end-to-end demo: a vLLM prefill server and a vLLM decode server (of different TP sizes: staged; of
+    one: direct) behind the kvstage router, the tiny local model, every request verified (KV bit-exact, tokens equal
+    to one instance)."""
     if synthetic:
         from kvstage.demo.synthetic import DemoConfig, print_report, run_demo
 

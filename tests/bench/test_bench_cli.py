@@ -102,3 +102,19 @@ def test_gpu_placement_gives_each_instance_gpus_of_its_own_where_the_host_has_en
         assert [pool_device(config, PREFILL, r) for r in range(2)] == prefill
         assert [pool_device(config, DECODE, 0)] == decode
     assert pool_device(BenchConfig("local", "tiny", 2, 1, 16, 64, 64), DECODE, 0) == "cpu"
+
+
+@pytest.mark.slow  # rank processes and three paths: about 20 s on 2 cores
+def test_bench_at_matched_tp_reports_the_agents_direct_path_with_its_bytes_and_ops() -> None:
+    proc = _run(
+        "--backend", "local", "--model", "tiny", "--prefill-tp", "2", "--decode-tp", "2", "--tokens", str(TOKENS),
+        "--page-size", str(PAGE), "--chunk-tokens", str(CHUNK), "--repeats", "1", "--json",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["agents_path"] == "direct"
+    # each writer's heads fill whole decode slots: one write per (layer, K/V, page) slice, as the per-slice path
+    assert result["ops_staged"] == result["ops_slice"] == LAYERS * 2 * (TOKENS // PAGE) * 2
+    assert result["bytes_per_request"] == TOKENS * 2 * LAYERS * HEADS * 64 * 2
+    assert len(result["verified"]) == 3, result["verified"]
+    assert "direct (agents)" in proc.stdout

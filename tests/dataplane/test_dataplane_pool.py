@@ -221,3 +221,23 @@ def test_a_slice_is_one_write_when_both_sides_are_contiguous_else_one_per_row() 
     strided = SliceCopy(100, 900, 64, 3, 128, 256)
     assert strided.runs() == [(100, 900, 64), (228, 1156, 64), (356, 1412, 64)]
     assert len(strided.runs()) == strided.writes and sum(n for _, _, n in strided.runs()) == strided.nbytes
+
+
+@pytest.mark.parametrize(("src_page", "dst_page", "shift"), [(4, 8, 0), (8, 4, 4), (8, 4, 0), (4, 4, 0)])
+def test_a_direct_copy_between_page_sizes_lands_every_token_and_no_slice_crosses_a_page(
+    src_page: int, dst_page: int, shift: int
+) -> None:
+    src = KVPool(KVLayout(3, 4, 8, "bfloat16", src_page), 2, 8)
+    dst = KVPool(KVLayout(3, 4, 8, "bfloat16", dst_page), 2, 8)
+    src.kv.view(torch.int16).copy_(torch.randint(-(2**15), 2**15, src.kv.shape, dtype=torch.int16))
+    src_pages, dst_pages = src.allocator.allocate(5), dst.allocator.allocate(5)
+    transfer = plan_head_transfers(4, 2, 2)[1]
+    start, end = 8, 19  # tokens of dst_pages; the source holds them `shift` tokens later
+    slices = plan_direct_slices(src.geometry, dst.geometry, transfer, src_pages, dst_pages, start, end, src_shift=shift)
+    assert transfer_direct(src, dst, transfer, src_pages, dst_pages, start, end, src_shift=shift) == len(slices)
+    smallest = min(src_page, dst_page)
+    assert all(s.rows <= smallest for s in slices)
+    assert len(slices) == 2 * 3 * len(range(start // smallest, -(-end // smallest)))
+    read = src.slot_indices(src_pages, start + shift, end + shift)
+    written = dst.slot_indices(dst_pages, start, end)
+    assert torch.equal(dst.kv[:, :, written].view(torch.int16), src.kv[:, :, read].view(torch.int16))

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from kvstage.dataplane import EngineKV, KVCacheFormat, gather, scatter
+from kvstage.dataplane.engine_blocks import EngineBlocks, block_runs, describe_blocks
 from kvstage.errors import ConfigError
 from kvstage.layout import KVLayout
 
@@ -106,3 +107,40 @@ def test_vllms_cpu_cache_is_copied_every_layer_at_once(layout_name):
     layout = KVLayout(3, HEADS, 64, "bfloat16", 16)
     kv = EngineKV.from_layers(layout, KVCacheFormat.VLLM_CPU, _vllm_caches(layout, layout_name), HEADS)
     assert kv.tiles is not None and len(kv.tiles.groups) == 1
+
+
+def _flat(kv: EngineKV) -> torch.Tensor:
+    """The one allocation under `kv` (vLLM's), as bytes."""
+    return torch.tensor([], dtype=torch.uint8).set_(kv.k(0).untyped_storage())
+
+
+@pytest.mark.parametrize(
+    ("layout_name", "src", "dst", "runs"),
+    [("LBHNC", [1, 2, 3], [3, 4, 5], 3), ("BLHNC", [1, 2, 3], [3, 4, 5], 1), ("LBHNC", [5, 0, 1], [2, 4, 3], 9)],
+    ids=["layer-outer", "block-outer", "scattered"],
+)
+def test_block_runs_between_two_vllm_cpu_caches_move_exactly_the_chunks_blocks_one_write_per_contiguous_run(
+    layout_name, src, dst, runs
+):
+    layout = KVLayout(3, HEADS, 64, "float32", 16)
+    prefill, decode = (
+        EngineKV.from_layers(layout, KVCacheFormat.VLLM_CPU, _vllm_caches(layout, layout_name), HEADS) for _ in "pd"
+    )
+    source, target = _flat(prefill), _flat(decode)
+    source.copy_(torch.randint(0, 256, source.shape, dtype=torch.uint8))
+    described = [describe_blocks(kv) for kv in (prefill, decode)]
+    assert all(d is not None and d[2] == flat.numel() for d, flat in zip(described, (source, target), strict=True))
+    mine, theirs = (d[0] for d in described if d is not None)
+    assert EngineBlocks.decode(theirs.encode()) == theirs and mine.compatible(theirs)
+
+    moves = block_runs(mine, theirs, src, dst)
+    for s_off, d_off, length in moves:
+        target[d_off : d_off + length] = source[s_off : s_off + length]
+
+    assert len(moves) == runs
+    assert sum(length for *_, length in moves) == len(src) * layout.num_layers * mine.block_bytes
+    for layer in range(layout.num_layers):
+        for get in (EngineKV.k, EngineKV.v):
+            got, sent = (get(kv, layer).view(torch.int32) for kv in (decode, prefill))  # bits, NaNs included
+            assert torch.equal(got[dst], sent[src])
+            assert not got[[b for b in range(BLOCKS) if b not in dst]].any()  # nothing else was written

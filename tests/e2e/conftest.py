@@ -2,12 +2,12 @@
 the end-to-end tests of this folder: a bootstrap service, prefill instances P2 (TP=2) and P1 (TP=1), decode
 instances D1 (TP=1) and D2 (TP=2), and one kvstage router per set of instances under test.
 
-Servers start once per session, together (about 2-4 min on 2 cores); so does PS, a prefill instance (TP=1) with
-a tiny KV cache, when a collected test asks for it (the `small_prefill` fixture). A test may add a server of its
-own (`Cluster.start`), which lives until the session ends or a test kills it. The tests that kill an instance
-(or may leave one dead) are named `test_z...`: they run after every other test of this folder, in the order of
-their names, whatever module they are in (`pytest_collection_modifyitems` below), and take only the instances they
-kill.
+Servers start once per session, together (about 2-4 min on 2 cores); so does PS, a prefill instance (TP=1) with a
+tiny KV cache, when a collected test asks for it (the `small_prefill` fixture), and so does D32, a decode instance
+(TP=1) of 32-token blocks against the others' 128 (the `small_blocks` fixture). A test may add a server of its own
+(`Cluster.start`), which lives until the session ends or a test kills it. The tests that kill an instance (or may
+leave one dead) are named `test_z...`: they run after every other test of this folder, in the order of their names,
+whatever module they are in (`pytest_collection_modifyitems` below), and take only the instances they kill.
 """
 
 from __future__ import annotations
@@ -43,6 +43,13 @@ SMALL_PREFILL_SPEC: dict[str, Any] = {
         *("--long-prefill-token-threshold", "32"),
     ),
 }
+
+#: Instances whose vLLM block size (32) differs from the cluster's (vLLM CPU's default, 128; it takes multiples of
+#: 32), both TP=1: D32, which sessions with a test that uses the `small_blocks` fixture start with the other
+#: servers, and P32, which the slow test of the reverse direction starts on its own (`Cluster.start`).
+BLOCKS_OF_32: dict[str, Any] = {"extra_args": ("--block-size", "32")}
+SMALL_BLOCKS: dict[str, tuple[str, int, dict[str, Any]]] = {"D32": ("decode", 1, BLOCKS_OF_32)}
+SMALL_BLOCKS_PREFILL: tuple[str, str, int, dict[str, Any]] = ("P32", "prefill", 1, BLOCKS_OF_32)
 
 #: The cluster's servers are ready within this, or the session fails.
 START_TIMEOUT_S = 600.0
@@ -146,8 +153,10 @@ def cluster(
         "D1": ("decode", 1, {}),
         "D2": ("decode", 2, {}),
     }
-    if any("small_prefill" in getattr(item, "fixturenames", ()) for item in request.session.items):
+    if _asked_for("small_prefill", request):
         layout[SMALL_PREFILL] = ("prefill", 1, SMALL_PREFILL_SPEC)  # it starts with the others, not on its own
+    if _asked_for("small_blocks", request):
+        layout.update(SMALL_BLOCKS)
     for name, (role, tp, fields) in layout.items():
         cluster.specs[name] = cluster.spec_for(name, role, tp, **fields)
         cluster.procs[name] = start_vllm(cluster.specs[name], logs)
@@ -159,6 +168,21 @@ def cluster(
     finally:
         for proc in [*cluster.routers.values(), *cluster.procs.values(), bootstrap]:
             proc.stop()
+
+
+def _asked_for(fixture: str, request: pytest.FixtureRequest) -> bool:
+    """Whether a collected test uses `fixture` (its instances then start with the cluster)."""
+    return any(fixture in getattr(item, "fixturenames", ()) for item in request.session.items)
+
+
+@pytest.fixture(scope="session")
+def small_blocks(cluster: Cluster) -> tuple[str, ...]:
+    """The decode instance of 32-token blocks (SMALL_BLOCKS), started with the cluster when a collected test asks
+    for it."""
+    for name, (role, tp, fields) in SMALL_BLOCKS.items():
+        if name not in cluster.specs:
+            cluster.start(name, role, tp, **fields)
+    return tuple(SMALL_BLOCKS)
 
 
 @pytest.fixture(scope="session")

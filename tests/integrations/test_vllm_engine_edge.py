@@ -71,7 +71,7 @@ def assert_clean(pair: Pair) -> None:
     pair.decode.assert_clean()
 
 
-@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 1), (1, 2)], ids=["2to1", "1to2"])
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 1), (1, 2), (1, 1)], ids=["2to1", "1to2", "1to1-direct"])
 def test_requests_get_their_prompts_kv_and_every_block_is_freed_once(
     make_pair: Callable[..., Pair], prefill_tp: int, decode_tp: int
 ) -> None:
@@ -81,6 +81,8 @@ def test_requests_get_their_prompts_kv_and_every_block_is_freed_once(
     pair.run()
     assert pair.intact == {"r0", "r1", "r2"}
     assert_clean(pair)
+    staged = prefill_tp != decode_tp  # matched TP writes decode's blocks directly: no ring byte
+    assert all((w._agent.metrics.value("kvstage_ring_high_water_bytes") > 0) == staged for w in pair.decode.workers)
 
 
 def test_a_prompt_prefilled_in_many_chunked_steps_arrives_whole(make_pair: Callable[..., Pair]) -> None:
@@ -91,12 +93,13 @@ def test_a_prompt_prefilled_in_many_chunked_steps_arrives_whole(make_pair: Calla
     assert_clean(pair)
 
 
+@pytest.mark.parametrize("tp", [(2, 1), (1, 1)], ids=["2to1", "1to1-direct"])
 def test_a_preempted_prefill_request_never_kills_the_engine_and_decode_recomputes_it(
-    make_pair: Callable[..., Pair],
+    make_pair: Callable[..., Pair], tp: tuple[int, int]
 ) -> None:
     """At 5ef7c43 vLLM's scheduler asserted on a finished_sending id of a request the preemption had already let
-    go (the engine core died)."""
-    pair = make_pair(**PREEMPTING)
+    go (the engine core died). Direct writes too read prefill's blocks until their room ends."""
+    pair = make_pair(*tp, **PREEMPTING)
     for i in range(4):
         pair.send(f"r{i}", prompt(20 + i, 250), room=20 + i)
     pair.run()

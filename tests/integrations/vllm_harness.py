@@ -135,10 +135,8 @@ class Engine:
         self.workers, self.kv = [], []
         for rank in range(self.tp):
             local = len(heads_of_rank(heads, self.tp, rank))
-            layers = {
-                f"model.layers.{i}.self_attn.attn": torch.zeros(self.num_blocks, local, BLOCK, 2 * HEAD_DIM)
-                for i in range(LAYERS)
-            }
+            whole = torch.zeros(LAYERS, self.num_blocks, local, BLOCK, 2 * HEAD_DIM)  # as vLLM: one allocation
+            layers = {f"model.layers.{i}.self_attn.attn": whole[i] for i in range(LAYERS)}
             worker = WorkerSide(settings, EngineFacts(producer, self.tp, rank, heads, HEAD_DIM, BLOCK))
             worker.register_kv_caches(layers)
             self.workers.append(worker)

@@ -180,9 +180,12 @@ def make_pump(
     attention: str = "gqa",
     limits: Limits | None = None,
     prefill_instances: int = 1,
+    prefill_page_size: int | None = None,
 ) -> Pump:
-    """Decode ranks d0.. and prefill ranks p0.. (instance k's ranks are named pk.0, pk.1, ... when k > 0)."""
+    """Decode ranks d0.. and prefill ranks p0.. (instance k's ranks are named pk.0, pk.1, ... when k > 0); prefill's
+    page size is decode's `page_size` unless `prefill_page_size` says otherwise."""
     kv = layout(heads, page_size)
+    prefill_kv = layout(heads, prefill_page_size or page_size)
     lim = limits or Limits()
     endpoints: dict[str, Endpoint] = {}
     for rank in range(decode_tp):
@@ -193,7 +196,7 @@ def make_pump(
     for instance in range(prefill_instances):
         for rank in range(prefill_tp):
             name = prefill_name(instance, rank)
-            endpoints[name] = PrefillEndpoint(PrefillConfig(name, kv, prefill_tp, rank, TIMING, lim), session=1)
+            endpoints[name] = PrefillEndpoint(PrefillConfig(name, prefill_kv, prefill_tp, rank, TIMING, lim), session=1)
     return Pump(endpoints)
 
 

@@ -128,3 +128,34 @@ def test_scatter_and_write_carry_the_same_token_range_the_chunk_grid_gives() -> 
     assert scatters == expected
     assert writes == {(index, start, n) for index, (start, n) in expected.items()}
     assert all(a.num_tokens == a.plan.num_tokens for _, a in pump.log if isinstance(a, Scatter))
+
+
+@pytest.mark.parametrize(
+    ("decode_page", "prefill_page"), [(4, 16), (16, 4)], ids=["decode4-prefill16", "decode16-prefill4"]
+)
+@pytest.mark.parametrize("prefill_tp", [2, 1], ids=["staged", "direct"])
+def test_a_room_between_different_page_sizes_reads_prefills_own_pages_on_decodes_chunk_grid(
+    decode_page: int, prefill_page: int, prefill_tp: int
+) -> None:
+    pump = make_pump(
+        heads=8,
+        prefill_tp=prefill_tp,
+        decode_tp=1,
+        page_size=decode_page,
+        prefill_page_size=prefill_page,
+        chunk_tokens=16,
+    )
+    prefix, tokens = 16, 75  # decode's grid: chunks of 16 from token 16
+    full_room(pump, 1, tokens, prefix=prefix)
+    assert all(pump.outcome(name, 1) == "ok" for name in pump.endpoints)
+    assert all_quiescent(pump)
+    own_pages = tuple(50_000 + 1000 + i for i in range(-(-tokens // prefill_page)))  # harness's prefill pages
+    decode_pages = tuple(1000 + i for i in range(-(-tokens // decode_page)))
+    writes = [a for _, a in pump.log if isinstance(a, WriteRegion | WriteDirect)]
+    assert {a.chunk for a in writes} == set(range(len(ChunkGrid(16, decode_page).chunks(tokens, prefix))))
+    for a in writes:
+        start = prefix + 16 * a.chunk
+        assert a.src_offset == start % prefill_page
+        assert a.src_pages == own_pages[start // prefill_page : -(-(start + a.num_tokens) // prefill_page)]
+        if isinstance(a, WriteDirect):
+            assert a.dst_pages == decode_pages[start // decode_page : -(-(start + a.num_tokens) // decode_page)]

@@ -353,15 +353,16 @@ def test_a_redelivered_or_older_decode_record_keeps_the_ring_import_that_writes_
     assert all(agent._rings[decode_peer][1] is ring for agent, ring in zip(cluster.prefill, rings, strict=True))
 
 
-def test_matched_tp_room_on_a_backend_without_exportable_pools_fails_explicitly(make_cluster):
-    """P == D takes the direct path; the local backend cannot export engine memory, so the room fails, loudly."""
+def test_a_matched_tp_room_on_the_local_backend_goes_page_to_page_into_the_decode_pool_without_the_ring(make_cluster):
+    """P == D takes the direct path; the local backend reaches the decode pool with cross-memory writes."""
     cluster = make_cluster(2, 2)
-    _run_room(cluster, 6, 12)
-    reasons = [wait_outcomes(agent, 1)[6].reason for agent in cluster.prefill]
-    assert "transfer failed" in reasons and set(reasons) <= {"transfer failed", "aborted by decode"}
+    sides = _run_room(cluster, 6, 12)
+    for agent in cluster.decode + cluster.prefill:
+        assert wait_outcomes(agent, 1)[6].ok
+    _assert_landed(cluster, sides, 0)
     for agent in cluster.decode:
-        assert not wait_outcomes(agent, 1)[6].ok
         assert agent.wait_quiescent(5)
+        assert agent.metrics.value("kvstage_ring_high_water_bytes") == 0
 
 
 def test_garbage_on_an_agents_control_socket_is_counted_and_rooms_still_succeed(make_cluster):

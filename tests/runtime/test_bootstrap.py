@@ -77,11 +77,12 @@ def test_waiting_for_an_incomplete_instance_times_out_with_the_ranks_seen(client
         client.wait_for_instance("P", "prefill", 2, timeout_s=0.2)
 
 
-def test_layout_mismatch_names_the_field_and_both_values():
+def test_layout_mismatch_names_the_field_and_both_values_and_page_sizes_may_differ():
     other = KVLayout(num_layers=4, num_kv_heads=4, head_dim=16, dtype="float16", page_size=4)
     with pytest.raises(CompatibilityError, match=r"dtype=.bfloat16.*dtype=.float16."):
         check_compatible(LAYOUT, record("p0", layout=other), me="decode rank d0")
-    for field, value in (("num_layers", 8), ("head_dim", 32), ("page_size", 16), ("num_kv_heads", 8)):
+    check_compatible(LAYOUT, record("p0", layout=KVLayout(4, 4, 16, "bfloat16", page_size=16)))
+    for field, value in (("num_layers", 8), ("head_dim", 32), ("num_kv_heads", 8)):
         fields = dict(num_layers=4, num_kv_heads=4, head_dim=16, dtype="bfloat16", page_size=4)
         fields[field] = value
         with pytest.raises(CompatibilityError, match=rf"{field}=.*{field}={value}"):

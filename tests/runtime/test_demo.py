@@ -83,8 +83,12 @@ def test_demo_with_more_decode_than_prefill_ranks_is_bit_exact_too() -> None:
 
 
 def test_demo_reports_failure_when_rooms_do_not_land() -> None:
-    # Matched TP takes the direct path, which the local backend cannot serve: every room fails, loudly.
-    config = DemoConfig(layout=SMALL, prefill_tp=2, decode_tp=2, chunk_tokens=8, requests=(DemoRequest(24),))
+    # A decode ring smaller than one chunk: every room fails on decode at once ("staging oversized"), loudly; its
+    # prefill ranks, which never got its metadata, give it up at its deadline.
+    requests = (DemoRequest(24),)
+    config = DemoConfig(
+        layout=SMALL, prefill_tp=2, decode_tp=1, chunk_tokens=8, ring_chunks=0.5, requests=requests, timeout_s=3.0
+    )
     report = run_demo(config)
     assert not report.ok
     (room,) = report.rooms

@@ -258,3 +258,24 @@ def test_mooncake_keeps_its_info_lines_off_stderr_unless_mc_log_level_asks(level
     assert proc.returncode == 0, proc.stderr[-2000:]
     info_lines = [line for line in proc.stderr.splitlines() if line.startswith("I")]
     assert bool(info_lines) == (level == "INFO"), proc.stderr[-2000:]
+
+
+def test_local_writes_land_bit_exact_in_memory_the_reader_allocated_itself_and_registered() -> None:
+    with ReaderPeer(config("local"), REGION, caller_memory=True) as reader, create_transport(config("local")) as writer:
+        source = writer.register(random_bytes(REGION, seed=11))
+        remote = writer.import_remote(decode_descriptor(encode_descriptor(reader.descriptor)))
+        slices = [(s + 300_000, d, n) for s, d, n in scattered_slices(REGION // 2, 256)]  # 2048: two system calls
+        runs = writer.write_batch(source, remote, slices)
+        bulk = writer.write(source, 0, remote, REGION // 2, REGION // 4)
+        outside = writer.write(source, 0, remote, REGION - 8, 16)
+        done = wait_for(writer, [runs, bulk, outside], timeout_s=30)
+        assert done[runs].ok and done[bulk].ok, (done[runs].reason, done[bulk].reason)
+        assert not done[outside].ok and "outside" in done[outside].reason
+        expected = torch.zeros(REGION // 2, dtype=torch.uint8)
+        for s_off, d_off, length in slices:
+            expected[d_off : d_off + length] = source.tensor[s_off : s_off + length]
+        assert reader.digest(0, REGION // 2) == digest(expected)
+        assert reader.digest(REGION // 2, REGION // 4) == digest(source.tensor[: REGION // 4])
+        reader.kill()
+        gone = writer.write(source, 0, remote, 0, 4096)
+        assert wait_for(writer, [gone], timeout_s=30)[gone].peer_gone

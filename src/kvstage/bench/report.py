@@ -22,6 +22,13 @@ SEGMENT_ORDER = (*(name for name, _, _ in LANE_SEGMENTS + SCATTER_SEGMENTS), "la
 LABELS = {"staged": "staged (agents)", "slice": "direct per-slice", "raw": "raw bulk"}
 
 
+def label(result: BenchResult, path: str) -> str:
+    """A path's name in the table and the plot: the agents' path is direct where the TP sizes match."""
+    if path == "staged" and result.config.prefill_tp == result.config.decode_tp:
+        return "direct (agents)"
+    return LABELS[path]
+
+
 def run_with_progress(config: BenchConfig) -> BenchResult:
     """`run_bench` with a live progress bar on stderr (silent when stderr is not a terminal)."""
     with Progress(
@@ -56,7 +63,7 @@ def print_table(result: BenchResult, console: Console) -> None:
         table.add_column(name, justify="left" if name == "path" else "right")
     for path in result.paths:
         table.add_row(
-            LABELS[path.name],
+            label(result, path.name),
             f"{path.best_gbps:.3f}",
             f"{path.median_gbps:.3f}",
             f"{path.ops_per_request:,.0f}",
@@ -102,7 +109,7 @@ def plot(result: BenchResult, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = [LABELS[p.name] for p in result.paths]
+    names = [label(result, p.name) for p in result.paths]
     colors = ["tab:green", "tab:red", "tab:gray"]
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
     for ax, values, label in (

@@ -116,6 +116,7 @@ class BenchResult:
         """The `--json` object."""
         c = self.config
         return {
+            "agents_path": "direct" if c.prefill_tp == c.decode_tp else "staged",  # the "staged" keys' path
             "staged_gbps": self.staged.best_gbps,
             "slice_gbps": self.slice.best_gbps,
             "raw_gbps": self.raw.best_gbps,

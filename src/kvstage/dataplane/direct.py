@@ -9,14 +9,15 @@ pools' flat storage (`KVPool.flat`), so a transport (Mooncake, NIXL) can issue o
 per row where its transport cannot stride (`SliceCopy.writes`).
 
 Invariants: descriptors are computed from `PoolGeometry` alone and validated like staged copies (token range,
-page range, distinct pages, head range); a slice never leaves either pool's storage.
+page range, distinct pages, head range); a slice never leaves either pool's storage, and never crosses a page
+boundary of either side (the two pools may differ in page size).
 
 Called by the benchmarks, the simulator's direct path, the demo, and the transports' per-slice mode.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -71,35 +72,59 @@ def plan_direct_slices(
     dst_pages: Pages,
     token_start: int,
     token_end: int,
+    *,
+    src_shift: int = 0,
 ) -> tuple[SliceCopy, ...]:
-    """Descriptors moving `transfer`'s heads of tokens `[token_start, token_end)`, ordered by layer, K/V, page."""
-    if src.layout != dst.layout:
+    """Descriptors moving `transfer`'s heads of tokens `[token_start, token_end)` of `dst_pages`, read from tokens
+    `[token_start + src_shift, token_end + src_shift)` of `src_pages`, ordered by layer, K/V, then token. The two
+    pools may differ in page size (nothing else): a slice then ends wherever a page of either side does."""
+    if replace(src.layout, page_size=dst.layout.page_size) != dst.layout:
         raise InvalidRequest(f"prefill layout {src.layout} differs from decode layout {dst.layout}")
     src.check_heads(transfer.src_head_start, transfer.num_heads)
     dst.check_heads(transfer.dst_head_start, transfer.num_heads)
-    src_used = src.used_pages(src_pages, token_start, token_end).tolist()
-    dst_used = dst.used_pages(dst_pages, token_start, token_end).tolist()
-    page_size = src.layout.page_size
-    first_page = token_start // page_size
+    pieces = _pieces(src, dst, src_pages, dst_pages, token_start, token_end, src_shift)
     row_bytes = transfer.num_heads * src.layout.head_bytes
-    slices: list[SliceCopy] = []
-    for layer in range(src.layout.num_layers):
-        for kv in (0, 1):
-            for index, (src_page, dst_page) in enumerate(zip(src_used, dst_used, strict=True)):
-                page_start = (first_page + index) * page_size
-                lo, hi = max(token_start, page_start), min(token_end, page_start + page_size)
-                in_page = lo - page_start
-                slices.append(
-                    SliceCopy(
-                        src.byte_offset(kv, layer, src_page * page_size + in_page, transfer.src_head_start),
-                        dst.byte_offset(kv, layer, dst_page * page_size + in_page, transfer.dst_head_start),
-                        row_bytes,
-                        hi - lo,
-                        src.slot_bytes,
-                        dst.slot_bytes,
-                    )
-                )
-    return tuple(slices)
+    return tuple(
+        SliceCopy(
+            src.byte_offset(kv, layer, src_slot, transfer.src_head_start),
+            dst.byte_offset(kv, layer, dst_slot, transfer.dst_head_start),
+            row_bytes,
+            rows,
+            src.slot_bytes,
+            dst.slot_bytes,
+        )
+        for layer in range(src.layout.num_layers)
+        for kv in (0, 1)
+        for src_slot, dst_slot, rows in pieces
+    )
+
+
+def _pieces(
+    src: PoolGeometry,
+    dst: PoolGeometry,
+    src_pages: Pages,
+    dst_pages: Pages,
+    token_start: int,
+    token_end: int,
+    src_shift: int,
+) -> list[tuple[int, int, int]]:
+    """(source slot, destination slot, tokens) of each run of the token range that lies in one page on both sides,
+    in token order; the pages are checked (`used_pages`)."""
+    src_used = src.used_pages(src_pages, token_start + src_shift, token_end + src_shift).tolist()
+    dst_used = dst.used_pages(dst_pages, token_start, token_end).tolist()
+    src_size, dst_size = src.layout.page_size, dst.layout.page_size
+    src_first, dst_first = (token_start + src_shift) // src_size, token_start // dst_size
+    pieces = []
+    token = token_start
+    while token < token_end:
+        src_token = token + src_shift
+        src_page, src_in = divmod(src_token, src_size)
+        dst_page, dst_in = divmod(token, dst_size)
+        rows = min(token_end - token, src_size - src_in, dst_size - dst_in)
+        src_slot = src_used[src_page - src_first] * src_size + src_in
+        pieces.append((src_slot, dst_used[dst_page - dst_first] * dst_size + dst_in, rows))
+        token += rows
+    return pieces
 
 
 def _rows(flat: torch.Tensor, offset: int, stride: int, copy: SliceCopy) -> torch.Tensor:
@@ -131,12 +156,17 @@ def transfer_direct(
     dst_pages: Pages,
     token_start: int,
     token_end: int,
+    *,
+    src_shift: int = 0,
 ) -> int:
-    """Move one head transfer of tokens `[token_start, token_end)` slice by slice; returns the operations issued.
+    """Move one head transfer of tokens `[token_start, token_end)` slice by slice (`plan_direct_slices`, read
+    `src_shift` tokens later on the source); returns the operations issued.
 
     Both page lists must be allocated in their pools, like for staged copies.
     """
-    src.allocator.check_held(src.geometry.used_pages(src_pages, token_start, token_end))
+    src.allocator.check_held(src.geometry.used_pages(src_pages, token_start + src_shift, token_end + src_shift))
     dst.allocator.check_held(dst.geometry.used_pages(dst_pages, token_start, token_end))
-    slices = plan_direct_slices(src.geometry, dst.geometry, transfer, src_pages, dst_pages, token_start, token_end)
+    slices = plan_direct_slices(
+        src.geometry, dst.geometry, transfer, src_pages, dst_pages, token_start, token_end, src_shift=src_shift
+    )
     return copy_direct(src, dst, slices)

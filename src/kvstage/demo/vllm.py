@@ -1,5 +1,6 @@
 """`kvstage demo`, the vLLM demo: prompts in, tokens out, through a vLLM prefill instance and a vLLM decode
-instance of different TP sizes, with kvstage moving the KV between them; every request verified twice.
+instance of two TP sizes, with kvstage moving the KV between them (staged, or direct where the sizes match); every
+request verified twice.
 
 Owns `DemoOptions`, `DemoReport` and `run_demo`, which:
 1. builds the tiny local model once (kvstage.e2e.model) and starts, on the loopback address, `kvstage bootstrap`
@@ -72,7 +73,13 @@ class DemoReport:
     tokens_per_s: float
     transfer_ops: int = 0
     ring_high_water_bytes: int = 0
+    scatters: int = 0  # decode's copies out of its ring: none where every room went direct
     problems: tuple[str, ...] = field(default=())
+
+    @property
+    def path(self) -> str:
+        """How the KV moved: "direct" (page runs into decode's vLLM blocks, no ring) or "staged"."""
+        return "direct" if self.transfer_ops and not self.scatters and not self.ring_high_water_bytes else "staged"
 
     @property
     def ok(self) -> bool:
@@ -81,6 +88,7 @@ class DemoReport:
     def to_json(self) -> dict[str, object]:
         out = asdict(self)
         out["problems"] = list(self.problems)
+        out["path"] = self.path
         return out
 
 
@@ -253,6 +261,7 @@ def _report(
         tokens_per_s=sum(a.tokens for a in answers) / elapsed if elapsed else 0.0,
         transfer_ops=sum(int(c["kvstage_transfer_ops_total"]) for c in counters.values()),
         ring_high_water_bytes=max((int(c["kvstage_ring_high_water_bytes"]) for c in counters.values()), default=0),
+        scatters=sum(int(c["kvstage_copy_seconds_count"]) for (role, _), c in counters.items() if role == "decode"),
         problems=tuple(problems),
     )
 
@@ -270,6 +279,7 @@ def print_summary(report: DemoReport, options: DemoOptions) -> None:
         ("tokens/s", f"{report.tokens_per_s:.1f}"),
         ("KV bytes moved", f"{report.kv_bytes:,}"),
         ("KV bytes saved by decode's prefix cache", f"{report.prefix_bytes_saved:,}"),
+        ("path", "direct: page runs into decode's vLLM blocks" if report.path == "direct" else "staged: ring"),
         ("transfer ops", f"{report.transfer_ops}"),
         ("transfer rate", f"{report.transfer_gbps:.2f} GB/s"),
         ("ring high water", f"{report.ring_high_water_bytes:,} B"),

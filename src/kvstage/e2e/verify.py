@@ -1,10 +1,10 @@
 """Reading what the connector's ranks reported (`kvstage.integrations.vllm.report`): KV bit-exactness per room,
 and the ranks' counters.
 
-Owns `check_rooms` (a room is verified when every page decode received has, for every layer, K/V and global
-head, the digest prefill computed for it, and decode's ranks together cover every head of every page they were
-sent) and `read_counters` (each rank's last counters line). Pure reading; called by the vLLM demo
-(kvstage.demo.vllm) and the end-to-end tests.
+Owns `check_rooms` (a room is verified when every span of tokens decode received has, for every layer, K/V and
+global head, the digest prefill computed for it, and decode's ranks together cover every head of every span they
+were sent; spans, not pages, so the two sides' block sizes may differ) and `read_counters` (each rank's last
+counters line). Pure reading; called by the vLLM demo (kvstage.demo.vllm) and the end-to-end tests.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvstage.layout import pages_for
+from kvstage.layout import ceil_div
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,37 +42,36 @@ def decode_rooms(folder: Path) -> set[int]:
 def check_rooms(folder: Path, *, num_layers: int, num_kv_heads: int) -> RoomCheck:
     sent: dict[int, dict[str, str]] = defaultdict(dict)
     got: dict[int, dict[str, str]] = defaultdict(dict)
-    first_page: dict[int, int] = {}
+    prefix: dict[int, int] = {}
     num_tokens: dict[int, int] = {}
-    page_size = 1
+    span_tokens = 1
     for record in _records(folder):
         if record["kind"] != "room":
             continue
         (sent if record["role"] == "prefill" else got)[record["room"]].update(record["digests"])
         if record["role"] == "decode":
-            first_page[record["room"]] = record["first_page"]
+            prefix[record["room"]] = record["start_token"]
             num_tokens[record["room"]] = record["num_tokens"]
-            page_size = record["page_size"]
+            span_tokens = record["span_tokens"]
     verified: set[int] = set()
     mismatched: dict[int, str] = {}
     for room, digests in got.items():
-        pages = range(first_page[room], pages_for(num_tokens[room], page_size))
+        spans = range(ceil_div(prefix[room], span_tokens), ceil_div(num_tokens[room], span_tokens))
         want = {
-            f"{layer}.{kv}.{head}.{page}"
+            f"{layer}.{kv}.{head}.{span}"
             for layer in range(num_layers)
             for kv in (0, 1)
             for head in range(num_kv_heads)
-            for page in pages
+            for span in spans
         }
         if missing := want - digests.keys():
-            mismatched[room] = f"decode reported no digest for {len(missing)} (layer, K/V, head, page) slices"
+            mismatched[room] = f"decode reported no digest for {len(missing)} (layer, K/V, head, span) slices"
         elif not sent.get(room):
             mismatched[room] = "prefill reported no digests"
         elif bad := [key for key in sorted(want) if sent[room].get(key) != digests[key]]:
-            mismatched[room] = f"{len(bad)} slices differ from prefill's, first {bad[0]} (layer.kv.head.page)"
+            mismatched[room] = f"{len(bad)} slices differ from prefill's, first {bad[0]} (layer.kv.head.span)"
         else:
             verified.add(room)
-    prefix = {room: page * page_size for room, page in first_page.items()}
     return RoomCheck(frozenset(verified), mismatched, prefix)
 
 

@@ -46,9 +46,10 @@ class Send:
 
 @dataclass(frozen=True, slots=True)
 class WriteRegion:
-    """Staged path: gather `block` (this writer's heads, `num_tokens` tokens from the first token of
+    """Staged path: gather `block` (this writer's heads, `num_tokens` tokens from position `src_offset` of
     `src_pages[0]`, which is the room's token `token_start`) and write it to `peer`'s ring bytes
-    `[dst_offset, dst_offset + block.nbytes)`."""
+    `[dst_offset, dst_offset + block.nbytes)`. `src_pages` are the writer's own pages: where its page size differs
+    from decode's, a chunk (which starts on a decode page) may start inside one of them (`src_offset` > 0)."""
 
     token: int
     peer: str
@@ -63,6 +64,7 @@ class WriteRegion:
     writer_epoch: int  # earlier epoch is never posted (`may_post`); R13 bounds when a posted one can land
     dst_session: int  # the decode session that granted the region: a restarted decode's new ring must not
     # receive it (real transports fail it: the old registration is gone)
+    src_offset: int = 0  # the chunk's first token's position in src_pages[0] (0 where both page sizes match)
 
     @property
     def dst_offset(self) -> int:
@@ -73,7 +75,8 @@ class WriteRegion:
 class WriteDirect:
     """Direct path: copy heads `transfer` of `num_tokens` tokens from `src_pages` (local) to `dst_pages` on `peer`.
 
-    Both page lists start at the chunk's first token, which is page-aligned."""
+    `dst_pages` (decode's) start at the chunk's first token, which begins a decode page; `src_pages` (the writer's
+    own) hold it at position `src_offset` of their first page (0 where both page sizes match)."""
 
     token: int
     peer: str
@@ -86,6 +89,7 @@ class WriteDirect:
     writer_session: int  # as in WriteRegion
     writer_epoch: int
     dst_session: int
+    src_offset: int = 0
 
 
 @dataclass(frozen=True, slots=True)

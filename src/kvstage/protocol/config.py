@@ -188,8 +188,9 @@ class DecodeConfig:
 
     `attention="mla"` makes every room take the direct path (MLA's latent KV is identical on every rank);
     otherwise `validate_staging_config` must pass, because rooms with different TP sizes stage (R12).
-    `staged_only` makes every room stage, matched TP too: the direct path writes into a `KVPool` only, so a rank
-    whose KV is the engine's own (`EngineKV`) is reached through its ring."""
+    `staged_only` makes every room stage, matched TP too: for a rank whose KV writers cannot reach page to page (an
+    engine's own KV that its transport does not export, or on a GPU); `ExpectRoom.direct=False` does it for one
+    room."""
 
     peer_id: str
     layout: KVLayout

@@ -222,7 +222,7 @@ class DecodeEndpoint(EndpointCore):
         self._room_epoch += 1
         r = _Room(
             room=event.room,
-            path=choose_path(cfg.attention, prefill_tp, cfg.tp_size, cfg.staged_only),
+            path=choose_path(cfg.attention, prefill_tp, cfg.tp_size, cfg.staged_only or not event.direct),
             prefill_tp=prefill_tp,
             writers={event.prefill_peers[rank]: slot for slot, rank in enumerate(plan_full.writers)},
             num_tokens=event.num_tokens,

@@ -40,7 +40,9 @@ class ExpectRoom:
     there (decode-side prefix cache) and are not transferred. `prefill_peers[r]` is the peer id of prefill rank
     r of the instance that computes the room (so len(prefill_peers) is that instance's TP size). `deadline`
     is absolute, in the caller's clock. `prompt` is a digest of the prompt's tokens (empty: unchecked); the
-    prefill side fails the room if its engine's prompt has another digest."""
+    prefill side fails the room if its engine's prompt has another digest. `direct=False` says the writers cannot
+    write these pages page to page (their KV is laid out otherwise, e.g. in another page size): the room stages
+    even at matched TP sizes (R12)."""
 
     room: int
     prefill_peers: tuple[str, ...]
@@ -49,6 +51,7 @@ class ExpectRoom:
     pages: tuple[int, ...]
     deadline: float
     prompt: bytes = b""
+    direct: bool = True
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,9 +1,10 @@
 """Validation of the `Metadata` a decode rank sends a prefill rank: what makes it unusable, in one place.
 
-Owns `metadata_problem` (whatever the room: this rank's TP, page size and heads, the room's token and chunk
-bounds, the page count of the direct path) and `attached_metadata_problem` (also against the room the prefill
-engine attached). Each returns the problem as a short phrase, counted by the endpoint under
-`messages_rejected`, or None. A problem is never raised: the sender is answered `Abort("bad metadata")` (R10).
+Owns `metadata_problem` (whatever the room: this rank's TP and heads, the room's token and chunk bounds on
+decode's page grid, which may differ from this rank's page size, and the page count of the direct path) and
+`attached_metadata_problem` (also against the room the prefill engine attached). Each returns the problem as a
+short phrase, counted by the endpoint under `messages_rejected`, or None. A problem is never raised: the sender is
+answered `Abort("bad metadata")` (R10).
 
 Pure. Called by prefill.py.
 """
@@ -21,9 +22,11 @@ from kvstage.protocol.plans import transfers_of_writer
 
 def metadata_problem(config: PrefillConfig, m: Metadata) -> str | None:
     """Why `m` cannot be served by this prefill rank whatever the room, or None."""
-    page_size = config.layout.page_size
-    if m.prefill_tp != config.tp_size or m.page_size != page_size:
-        return "metadata for another prefill TP size or page size"
+    page_size = m.page_size  # decode's: the grid and the page list are decode's; this rank's may differ
+    if m.prefill_tp != config.tp_size:
+        return "metadata for another prefill TP size"
+    if page_size < 1:
+        return "page size not positive"
     if not m.decode_rank < m.decode_tp:
         return "decode rank outside its TP group"
     try:

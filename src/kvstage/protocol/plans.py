@@ -15,8 +15,9 @@ from kvstage.protocol.messages import DIRECT, STAGED, Path
 
 
 def choose_path(attention: str, prefill_tp: int, decode_tp: int, staged_only: bool = False) -> Path:
-    """R12: MLA rooms and rooms with matched TP go page to page; every other room stages, and so does every room of
-    a `staged_only` decode rank (its KV is the engine's own)."""
+    """R12: MLA rooms and rooms with matched TP go page to page; every other room stages, and so does every
+    `staged_only` room (the decode rank's KV cannot be written page to page by these writers: it exports none, or
+    theirs is laid out otherwise)."""
     return DIRECT if not staged_only and (attention == "mla" or prefill_tp == decode_tp) else STAGED
 
 

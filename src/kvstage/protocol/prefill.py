@@ -21,7 +21,7 @@ and sim/.
 from __future__ import annotations
 
 from kvstage.errors import ConfigError, InvalidRequest
-from kvstage.layout import WriterBlock, pages_for
+from kvstage.layout import WriterBlock, page_slice, pages_for
 from kvstage.protocol import reasons
 from kvstage.protocol.actions import RoomFailed, RoomSucceeded, WriteDirect, WriteRegion
 from kvstage.protocol.base import EndpointCore, Peer
@@ -44,13 +44,7 @@ from kvstage.protocol.messages import (
 from kvstage.protocol.metadata import attached_metadata_problem, metadata_problem
 from kvstage.protocol.plans import transfers_of_writer
 from kvstage.protocol.prefill_rooms import Link, WriterChunk, WriterRoom
-from kvstage.protocol.states import (
-    PREFILL_CHUNK,
-    PREFILL_ROOM,
-    ChunkTrigger,
-    PrefillRoomState,
-    PrefillTrigger,
-)
+from kvstage.protocol.states import PREFILL_CHUNK, PREFILL_ROOM, ChunkTrigger, PrefillRoomState, PrefillTrigger
 from kvstage.ring import Allocation, Watermark, region_ready
 
 __all__ = ["PrefillEndpoint", "PrefillRoomState"]
@@ -310,7 +304,8 @@ class PrefillEndpoint(EndpointCore):
         token = self._new_token()
         self._tokens[token] = (r.room, link.peer_id, index)
         r.in_flight += 1
-        pages = link.grid.pages_of(span)
+        page_size = self.config.layout.page_size  # this rank's pages; decode's may be larger or smaller
+        src_pages, src_offset = r.pages[page_slice(span.start, span.end, page_size)], span.start % page_size
         assert peer.incarnation is not None  # a grant came from it
         dst_session = peer.incarnation[0]
         if link.plan_full is None:
@@ -320,13 +315,14 @@ class PrefillEndpoint(EndpointCore):
                     link.peer_id,
                     r.room,
                     index,
-                    r.pages[pages],
-                    link.meta.pages[pages],
+                    src_pages,
+                    link.meta.pages[link.grid.pages_of(span)],
                     span.num_tokens,
                     link.transfer,
                     self.session,
                     self.epoch_towards(peer.peer_id),
                     dst_session,
+                    src_offset,
                 )
             )
             return
@@ -337,7 +333,7 @@ class PrefillEndpoint(EndpointCore):
                 link.peer_id,
                 r.room,
                 index,
-                r.pages[pages],
+                src_pages,
                 span.num_tokens,
                 span.start,
                 block,
@@ -345,6 +341,7 @@ class PrefillEndpoint(EndpointCore):
                 self.session,
                 self.epoch_towards(peer.peer_id),
                 dst_session,
+                src_offset,
             )
         )
 

@@ -49,7 +49,10 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, assert_never
 
-from kvstage.dataplane import KVPool, KVStore
+import msgspec
+
+from kvstage.dataplane import EngineKV, KVStore
+from kvstage.dataplane.engine_blocks import EngineBlocks, describe_blocks
 from kvstage.errors import ConfigError, KVStageError, ProtocolError, TransportError
 from kvstage.protocol import (
     AbortRoom,
@@ -120,7 +123,7 @@ class BaseAgent(PeerLinks):
     """Shared machinery: queue, agent thread, control channel, resolver, bootstrap record, outcomes, metrics."""
 
     def __init__(self, config: AgentConfig, kv: KVStore) -> None:
-        """`kv`: this rank's KV, a `KVPool` or the engine's own tensors (`EngineKV`, staged path only)."""
+        """`kv`: this rank's KV, a `KVPool` or the engine's own tensors (`EngineKV`)."""
         if kv.layout != config.layout:
             raise ConfigError(f"KV layout {kv.layout} differs from the agent's layout {config.layout}")
         super().__init__(config.park)
@@ -146,6 +149,7 @@ class BaseAgent(PeerLinks):
         self._started = False
         self.transport: DataTransport
         self.pool_region: LocalRegion | None = None
+        self.engine_blocks: EngineBlocks | None = None  # where an engine's KV lies in `pool_region` (direct path)
         self.copier: Copier  # (and the endpoint, channel and resolver PeerLinks declares) made by start()
 
     # ---- lifecycle ---------------------------------------------------------------------------------------
@@ -253,20 +257,35 @@ class BaseAgent(PeerLinks):
         return self._snapshot.quiescent
 
     def export_pool(self) -> dict[str, bytes]:
-        """Register the KV pool with this agent's transport (both sides; the direct path's source or target) and,
-        where the backend can export caller memory, return its descriptor to publish for the direct path.
+        """Register the KV with this agent's transport (both sides; the direct path's source or target) and, where
+        the backend can export it, return its descriptors to publish for the direct path.
 
-        Only a host `KVPool` is registered. The data transports move host memory, so a pool on a GPU has the staged
-        path only (its gather/scatter cross between the GPU and host staging); an engine's own KV (`EngineKV`) is
-        never registered: kvstage reads and writes it in place with gather and scatter, staged only."""
+        A host `KVPool` is registered as "pool"; an engine's own KV in vLLM's CPU format as "engine", its one
+        allocation, with "engine_blocks" saying where each (layer, block) lies in it (dataplane/engine_blocks.py).
+        The data transports move host memory, so KV on a GPU, or in another engine layout, has the staged path only
+        (its gather/scatter read and write it in place)."""
         pool = self.pool
-        if not isinstance(pool, KVPool) or pool.device.type != "cpu":
-            kind = "the engine's own KV" if not isinstance(pool, KVPool) else "a KV pool"
-            log.info("%s: %s on %s; the direct path needs a host KVPool", self.peer_id, kind, pool.device)
+        if isinstance(pool, EngineKV):
+            return self._export_engine(pool)
+        if pool.device.type != "cpu":
+            log.info("%s: a KV pool on %s; the direct path needs host memory", self.peer_id, pool.device)
             return {}
         self.pool_region = self.transport.register(pool.flat)
+        return self._exported("pool", self.pool_region)
+
+    def _export_engine(self, kv: EngineKV) -> dict[str, bytes]:
+        found = describe_blocks(kv)
+        if found is None:
+            log.info("%s: the engine's %s KV on %s is staged only", self.peer_id, kv.format, kv.device)
+            return {}
+        self.engine_blocks, address, nbytes = found
+        self.pool_region = self.transport.register_address(address, nbytes)
+        descriptors = self._exported("engine", self.pool_region)
+        return {**descriptors, "engine_blocks": self.engine_blocks.encode()} if descriptors else {}
+
+    def _exported(self, name: str, region: LocalRegion) -> dict[str, bytes]:
         try:
-            return {"pool": encode_descriptor(self.transport.export(self.pool_region))}
+            return {name: encode_descriptor(self.transport.export(region))}
         except TransportError as exc:
             log.info("%s: no direct path on this backend: %s", self.peer_id, exc)
             return {}
@@ -500,3 +519,16 @@ class BaseAgent(PeerLinks):
             pending_sends=len(self._parked),
             stats=stats,
         )
+
+
+def published_blocks(record: PeerRecord) -> EngineBlocks | None:
+    """Where a peer's engine KV lies in its exported allocation ("engine"), if it published that and it decodes
+    within its bounds (else logged, and the peer is reached through its ring)."""
+    blob = record.descriptors.get("engine_blocks")
+    if blob is None:
+        return None
+    try:
+        return EngineBlocks.decode(blob)
+    except msgspec.DecodeError as exc:
+        log.error("%s published unusable engine blocks: %s", record.peer_id, exc)
+        return None

@@ -1,11 +1,14 @@
 """`DecodeAgent`: the decode rank's agent. It owns the staging ring's bytes and scatters arrived chunks.
 
 Owns: the ring region (allocated from the data transport and published in the bootstrap record as "ring", which
-is how writers learn where to write), the registration of the engine's KV pool for direct-path writes ("pool",
-where the backend can export it; an engine's own KV, `EngineKV`, is never registered, so every room of such a rank
-is staged, matched TP too: `DecodeConfig.staged_only`), each open room's decode slots (its pages checked and looked
-up once, at `expect_room`; every scatter of the room takes a view), scatters in flight per room, and the pairing of
-RoomFailed with FreePages so a failed room's outcome reaches the engine only when its pages are truly free.
+is how writers learn where to write), the registration of its KV for direct-path writes (a `KVPool` as "pool"; an
+engine's own KV in vLLM's CPU format, all layers in one allocation, as "engine" with its "engine_blocks", where the
+backend can export it; any other `EngineKV` is staged only, matched TP too: `DecodeConfig.staged_only`), the rooms
+whose path waits for their writers' records (a matched-TP room into an engine's KV goes direct only from writers
+whose blocks are laid out as this rank's, same format and block size, `_with_path`; at most `bootstrap_timeout_s`,
+then it stages), each open room's decode slots (its pages checked and looked up once, at `expect_room`; every
+scatter of the room takes a view), scatters in flight per room, and the pairing of RoomFailed with FreePages so a
+failed room's outcome reaches the engine only when its pages are truly free.
 
 Where the KV is on a GPU and the backend moves GPU memory (cuda_ipc, nixl), the ring lives on that GPU
 (`DataTransport.staging_device`); otherwise in host memory.
@@ -26,11 +29,14 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from dataclasses import replace
 from typing import Any, assert_never, cast
 
 from kvstage.dataplane import EngineKV, KVStore, RequestSlots, queue_scatter_region
+from kvstage.dataplane.engine_blocks import EngineBlocks
 from kvstage.errors import ConfigError
 from kvstage.protocol import (
+    AbortRoom,
     Action,
     DecodeConfig,
     DecodeEndpoint,
@@ -45,10 +51,12 @@ from kvstage.protocol import (
     WriteDirect,
     WriteRegion,
 )
+from kvstage.protocol.reasons import ABORTED_BY_DECODE
 from kvstage.ring import StagingRing
-from kvstage.runtime.agent import BaseAgent
+from kvstage.runtime.agent import BaseAgent, published_blocks
 from kvstage.runtime.config import AgentConfig, AgentSnapshot, RoomOutcome
 from kvstage.runtime.copier import CopyDone
+from kvstage.transport.bootstrap import PeerRecord
 from kvstage.transport.data import (
     LocalRegion,
     encode_descriptor,
@@ -74,6 +82,9 @@ class DecodeAgent(BaseAgent):
         self._landing: deque[CopyDone] = deque()  # queued scatters whose fences are not done yet, in queue order
         self._fences: dict[int, list[int]] = {}  # room -> FenceScatter tokens waiting for those scatters
         self._slots: dict[int, RequestSlots] = {}  # open room -> its decode slots, looked up at expect_room
+        self._unplaced: dict[int, tuple[float, ExpectRoom]] = {}  # rooms waiting for their writers' records (engine KV)
+        self._decided: set[int] = set()  # rooms handed on without those records: they stage
+        self._engine_direct = False  # an engine's own KV exported for direct writes (`_setup_memory`)
         self.ring_region: LocalRegion
 
     # ---- engine-facing -----------------------------------------------------------------------------------
@@ -99,17 +110,58 @@ class DecodeAgent(BaseAgent):
 
     def _handle(self, event: Any) -> list[Any]:
         """An ExpectRoom's pages are checked and its slots looked up before the endpoint sees it: invalid pages
-        reject the call at once, and every scatter of the room takes a view of the slots."""
+        reject the call at once, and every scatter of the room takes a view of the slots. A room whose path depends
+        on its writers' records waits for them first (`_with_path`)."""
+        if isinstance(event, AbortRoom) and event.room in self._unplaced:
+            pages = self._unplaced.pop(event.room)[1].pages
+            self._outcome(RoomOutcome(event.room, False, ABORTED_BY_DECODE, pages))
+            return []
         if not isinstance(event, ExpectRoom):
             return super()._handle(event)
         slots = self.pool.request_slots(event.pages, event.prefix_tokens, event.num_tokens)
-        actions = super()._handle(event)
+        expect = self._with_path(event)
+        if expect is None:
+            return []
+        actions = super()._handle(expect)
         self._slots[event.room] = slots
         return actions
 
+    def _with_path(self, event: ExpectRoom) -> ExpectRoom | None:
+        """The room as the endpoint should take it: an engine's KV goes page to page (matched TP) only from writers
+        whose engine blocks are laid out as this rank's (same format and block size), which their records say. A
+        room whose writers' records are not here yet waits for them (None), up to `bootstrap_timeout_s`, then
+        stages (`_place_waiting`)."""
+        mine = self.engine_blocks if self._engine_direct else None
+        matched = len(event.prefill_peers) == self.config.tp_size
+        if mine is None or not matched or event.room in self._decided:
+            self._decided.discard(event.room)
+            return event
+        records = [self._records.get(peer) for peer in event.prefill_peers]
+        if None in records:
+            self._unplaced[event.room] = (time.monotonic(), event)
+            for peer in event.prefill_peers:
+                self.resolver.want(peer)
+            return None
+        return replace(event, direct=all(_lays_out_as(mine, record) for record in records))
+
+    def _place_waiting(self) -> None:
+        """Hand waiting rooms to the endpoint once their writers' records are here, or after `bootstrap_timeout_s`
+        without them (the room then stages)."""
+        expired = time.monotonic() - self.config.bootstrap_timeout_s
+        for room, (since, event) in list(self._unplaced.items()):
+            known = all(peer in self._records for peer in event.prefill_peers)
+            if known or since < expired:
+                del self._unplaced[room]
+                if not known:
+                    self._decided.add(room)
+                    event = replace(event, direct=False)
+                self._feed(event)
+
     def _setup_memory(self) -> dict[str, bytes]:
         self.ring_region = self._host_region(self.config.ring_bytes)
-        return {"ring": encode_descriptor(self.transport.export(self.ring_region)), **self.export_pool()}
+        exported = self.export_pool()
+        self._engine_direct = "engine" in exported  # writers can reach the engine's own KV page to page
+        return {"ring": encode_descriptor(self.transport.export(self.ring_region)), **exported}
 
     def _decode_config(self) -> DecodeConfig:
         cfg = self.config
@@ -123,12 +175,16 @@ class DecodeAgent(BaseAgent):
             ring_alignment=cfg.ring_alignment,
             timing=cfg.timing,
             limits=cfg.limits,
-            staged_only=isinstance(self.pool, EngineKV),  # the direct path writes into a KVPool only
+            staged_only=isinstance(self.pool, EngineKV),  # until its KV is exported (`_make_endpoint`)
         )
 
     def _make_endpoint(self) -> DecodeEndpoint:
+        """After `_setup_memory`: an engine's KV is written page to page only where it was exported."""
         ring = StagingRing(self.config.ring_bytes, self.config.ring_alignment)
-        return DecodeEndpoint(self._endpoint_config, self.session, ring=ring, codec=self._codec)
+        config = self._endpoint_config
+        if self._engine_direct:
+            config = replace(config, staged_only=False)
+        return DecodeEndpoint(config, self.session, ring=ring, codec=self._codec)
 
     def _execute(self, action: Action) -> None:
         match action:
@@ -217,6 +273,8 @@ class DecodeAgent(BaseAgent):
     def _after_turn(self) -> None:
         if self._landing:
             self._land()
+        if self._unplaced:
+            self._place_waiting()
         ring = self.endpoint.ring
         live = ring.live()
         lag = 0
@@ -230,9 +288,16 @@ class DecodeAgent(BaseAgent):
         ring = self.endpoint.ring
         return AgentSnapshot(
             open_rooms=base.open_rooms,
-            quiescent=base.quiescent and not (self._failed or self._freed or self._scatters or self._slots),
+            quiescent=base.quiescent
+            and not (self._failed or self._freed or self._scatters or self._slots or self._unplaced),
             ring_live_bytes=ring.live_bytes,
             ring_high_water=ring.high_water,
             pending_sends=base.pending_sends,
             stats=stats,
         )
+
+
+def _lays_out_as(mine: EngineBlocks, record: PeerRecord | None) -> bool:
+    """Whether the writer of `record` holds its engine KV in blocks laid out as this rank's `mine`."""
+    theirs = None if record is None else published_blocks(record)
+    return theirs is not None and theirs.compatible(mine)

@@ -5,9 +5,9 @@ rings and pools of decode peers keyed by the decode session that published them,
 `AgentConfig.writes_per_peer` per decode peer (the rest wait in order), and each active room's slots (its pages
 looked up once per `kv_ready`, on the agent thread). Staged path: gather the chunk's heads into a staging slot on the
 copy thread, taking a view of the room's slots, then one bulk write into the decode ring. Direct path (matched TP):
-one write per contiguous run of each (layer, K/V, page) slice, straight into the decode pool. A rank whose KV is
-the engine's own (`EngineKV`) is staged only: its gathers read the engine's tensors in place, and a direct write
-fails its room with the reason.
+one write per contiguous run, straight into the decode rank's KV: of each (layer, K/V, page) slice between
+`KVPool`s, of whole (layer, block)s between engines' own KV caches in vLLM's CPU format (dataplane/engine_blocks.py,
+one prepared list of runs per chunk); a direct write between unlike layouts fails its room with the reason.
 
 Invariants: a gather starts only once its staging slot no longer overlaps a write still in flight; a write goes
 only into memory of the decode session that granted it (`dst_session`), never into the ring or pool of a
@@ -32,6 +32,7 @@ from typing import Any, assert_never, cast
 import torch
 
 from kvstage.dataplane import KVPool, KVStore, PoolGeometry, RequestSlots, gather_slots, plan_direct_slices
+from kvstage.dataplane.engine_blocks import EngineBlocks, block_runs
 from kvstage.errors import ConfigError, InvalidRequest, KVStageError, StagingOversized
 from kvstage.layout import heads_of_rank
 from kvstage.protocol import (
@@ -55,7 +56,7 @@ from kvstage.protocol import (
 from kvstage.protocol.prefill import PrefillRoomState
 from kvstage.protocol.reasons import LEASE_EXPIRED
 from kvstage.ring import Allocation, StagingRing, region_ready
-from kvstage.runtime.agent import BaseAgent
+from kvstage.runtime.agent import BaseAgent, published_blocks
 from kvstage.runtime.config import AgentConfig, AgentSnapshot, RoomOutcome
 from kvstage.runtime.copier import CopyDone
 from kvstage.runtime.reclaim import PageClaims
@@ -73,7 +74,7 @@ log = logging.getLogger(__name__)
 NO_RING = "no staging ring known for the decode peer"
 STALE_RING = "the decode peer restarted since it granted this region"
 NO_LOCAL_POOL = "this rank's KV pool is on {device}; the data transports write host memory, so no direct path"
-NO_ENGINE_DIRECT = "this rank's KV is the engine's own (EngineKV), which the direct path cannot read: staged only"
+NO_ENGINE_DIRECT = "the two ranks' KV layouts differ (a KVPool and an engine's own, or two engines' blocks unlike)"
 NO_POOL = "the decode peer exported no KV pool for the direct path (the local backend cannot export engine memory)"
 FENCED_PEER = "the decode peer was fenced before this write could be posted"
 FENCED_BY_DECODE = "the decode peer fenced this writer's epoch before this write could be posted"
@@ -123,9 +124,10 @@ class PrefillAgent(BaseAgent):
         if config.writes_per_peer < 1:
             raise ConfigError(f"writes_per_peer must be at least 1, got {config.writes_per_peer}")
         super().__init__(config, kv)
-        # decode peer -> (its session, its ring) and (its session, its KV pool, the pool's geometry)
+        # decode peer -> (its session, its ring) and (its session, its KV, where its pages lie: a KVPool's geometry,
+        # or an engine's blocks)
         self._rings: dict[str, tuple[int, RemoteRegion]] = {}
-        self._pools: dict[str, tuple[int, RemoteRegion, PoolGeometry]] = {}
+        self._pools: dict[str, tuple[int, RemoteRegion, PoolGeometry | EngineBlocks]] = {}
         self._slab = StagingRing(config.staging_bytes, 64)
         self._waiting: deque[_Write] = deque()
         self._in_flight: dict[int, _Ready] = {}  # transfer id -> the write posted under it
@@ -170,7 +172,9 @@ class PrefillAgent(BaseAgent):
     def _setup_memory(self) -> dict[str, bytes]:
         self.staging_region = self._host_region(self.config.staging_bytes)
         self.export_pool()  # the pool is the source of direct-path writes
-        return {"staging": encode_descriptor(self.transport.export(self.staging_region))}
+        # an engine's blocks tell decode ranks whether this rank can write theirs page to page
+        blocks = {} if self.engine_blocks is None else {"engine_blocks": self.engine_blocks.encode()}
+        return {"staging": encode_descriptor(self.transport.export(self.staging_region)), **blocks}
 
     def _make_endpoint(self) -> PrefillEndpoint:
         cfg = self.config
@@ -244,9 +248,14 @@ class PrefillAgent(BaseAgent):
         self._rings[record.peer_id] = (record.session, ring)
         pool = self._import(record, "pool")
         if pool is not None:
-            heads = len(heads_of_rank(self.config.layout.num_kv_heads, record.tp_size, record.rank))
-            pages = pool.nbytes // self.config.layout.bytes_per_page(heads)
-            self._pools[record.peer_id] = (record.session, pool, PoolGeometry(self.config.layout, heads, pages))
+            layout = record.layout.to_layout()  # decode's: its page size may differ from this rank's
+            heads = len(heads_of_rank(layout.num_kv_heads, record.tp_size, record.rank))
+            pages = pool.nbytes // layout.bytes_per_page(heads)
+            self._pools[record.peer_id] = (record.session, pool, PoolGeometry(layout, heads, pages))
+        blocks = published_blocks(record)
+        engine = None if blocks is None else self._import(record, "engine")
+        if blocks is not None and engine is not None:
+            self._pools[record.peer_id] = (record.session, engine, blocks)
 
     def _import(self, record: PeerRecord, name: str) -> RemoteRegion | None:
         blob = record.descriptors.get(name)
@@ -350,7 +359,8 @@ class PrefillAgent(BaseAgent):
             with self._claims.reading(action.room, self.copier.stream):
                 slots = None if known is None else known.of(action, self.pool.layout.page_size)
                 if slots is None:  # no lookup at kv_ready (its pages were refused) or other pages: this chunk's
-                    slots = self.pool.slot_indices(action.src_pages, 0, action.num_tokens)
+                    first = action.src_offset
+                    slots = self.pool.slot_indices(action.src_pages, first, first + action.num_tokens)
                 nbytes = gather_slots(self.pool, slots, *heads, staging, offset)
             self.trace.mark(action.room, action.chunk, "gather_end", action.peer)
             return nbytes
@@ -370,23 +380,29 @@ class PrefillAgent(BaseAgent):
         self._enqueue_write(write, [(write.slot.offset, write.action.dst_offset, write.nbytes)], self.staging_region)
 
     def _write_direct(self, action: WriteDirect, remote: RemoteRegion) -> None:
-        """One operation per contiguous run of each (layer, K/V, page) slice, page to page."""
-        if not isinstance(self.pool, KVPool):
-            self._complete(action.token, False, NO_ENGINE_DIRECT)
-            return
+        """Page to page, one operation per contiguous run: of each (layer, K/V, page) slice between `KVPool`s, of
+        whole (layer, block)s between engines' own KV caches."""
         if self.pool_region is None:
             self._complete(action.token, False, NO_LOCAL_POOL.format(device=self.pool.device))
             return
-        geometry = self._pools[action.peer][2]
         try:
-            slices = plan_direct_slices(
-                self.pool.geometry, geometry, action.transfer, action.src_pages, action.dst_pages, 0, action.num_tokens
-            )
+            runs = self._direct_runs(action, self._pools[action.peer][2])
         except KVStageError as exc:
             self._complete(action.token, False, f"direct plan failed: {exc}")
             return
-        runs = [run for s in slices for run in s.runs()]
         self._enqueue_write(_Write(action, remote, sum(run[2] for run in runs)), runs, self.pool_region)
+
+    def _direct_runs(self, action: WriteDirect, target: PoolGeometry | EngineBlocks) -> list[tuple[int, int, int]]:
+        if isinstance(target, EngineBlocks):  # `pool_region` is registered: an engine's KV has its blocks
+            if self.engine_blocks is None or action.src_offset:
+                raise InvalidRequest(NO_ENGINE_DIRECT)
+            return block_runs(self.engine_blocks, target, action.src_pages, action.dst_pages)
+        if not isinstance(self.pool, KVPool):
+            raise InvalidRequest(NO_ENGINE_DIRECT)
+        heads, pages, tokens = action.transfer, (action.src_pages, action.dst_pages), (0, action.num_tokens)
+        geometry = self.pool.geometry
+        slices = plan_direct_slices(geometry, target, heads, *pages, *tokens, src_shift=action.src_offset)
+        return [run for s in slices for run in s.runs()]
 
     def _enqueue_write(self, write: _Write, runs: list[tuple[int, int, int]], source: LocalRegion) -> None:
         """Submit `write` now if its decode peer's window has room, else queue it behind the peer's other writes.

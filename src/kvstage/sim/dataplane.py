@@ -125,7 +125,8 @@ class DataPlane(WorldCore):
     def _gather(self, node: Node, action: WriteRegion | WriteDirect) -> bytes | Words:
         assert node.kv is not None
         transfer = action.block.transfer if isinstance(action, WriteRegion) else action.transfer
-        values = node.kv.read(action.src_pages, 0, action.num_tokens, transfer.src_head_start, transfer.num_heads)
+        first, heads = action.src_offset, (transfer.src_head_start, transfer.num_heads)
+        values = node.kv.read(action.src_pages, first, first + action.num_tokens, *heads)
         return values.tobytes() if isinstance(action, WriteRegion) else values
 
     def _on_land(self, payload: int) -> None:

@@ -16,7 +16,7 @@ Owns:
 - `BootstrapClient`: blocking request/reply with a timeout, for one thread (agent start-up and the agents'
   resolver threads, never an engine's scheduler thread); `renew` registers its records again every `REREGISTER_S`.
   transport/etcd.py's `EtcdDirectory` offers the same methods over etcd (transport/directory.py picks one by address);
-- `check_compatible`: the rendezvous check that both sides agree on layers, head_dim, dtype, page size and KV
+- `check_compatible`: the rendezvous check that both sides agree on layers, head_dim, dtype and KV
   heads; a mismatch raises `CompatibilityError` naming both values.
 
 Invariants: every request and record is decoded with msgspec under explicit bounds (frame size, string lengths,
@@ -187,9 +187,10 @@ _REFUSED = _encoder.encode(_Reply(False, "unauthenticated request: kvstage boots
 
 
 def check_compatible(mine: KVLayout, theirs: PeerRecord, *, me: str = "this rank") -> None:
-    """`CompatibilityError` unless `theirs` uses the same layers, head_dim, dtype, page size and KV heads."""
+    """`CompatibilityError` unless `theirs` uses the same layers, head_dim, dtype and KV heads. The page sizes
+    may differ: each side addresses its own pages, and the chunk grid is decode's (docs/layout.md)."""
     other = theirs.layout
-    for field in ("num_layers", "head_dim", "dtype", "page_size", "num_kv_heads"):
+    for field in ("num_layers", "head_dim", "dtype", "num_kv_heads"):
         a, b = getattr(mine, field), getattr(other, field)
         if a != b:
             raise CompatibilityError(

@@ -39,7 +39,7 @@ from kvstage.dataplane.engine_kv import EngineKV, KVCacheFormat
 from kvstage.dataplane.pool import TORCH_DTYPES
 from kvstage.errors import ConfigError
 from kvstage.integrations.vllm.metadata import ComputeStep, ExpectRoom, StepRecords
-from kvstage.integrations.vllm.report import RankReport, page_digests
+from kvstage.integrations.vllm.report import RankReport, span_digests
 from kvstage.integrations.vllm.settings import ConnectorSettings
 from kvstage.layout import KVLayout, heads_of_rank
 from kvstage.protocol import Timing
@@ -312,9 +312,8 @@ class WorkerSide:
 
     def _record_digests(self, room_id: int, room: _Room) -> None:
         assert self._report is not None and self._kv is not None
-        first_page = room.prefix_tokens // self._kv.layout.page_size
-        digests = page_digests(self._kv, self._global_heads, room.blocks, room.num_tokens, first_page)
-        self._report.room(room_id, room.num_tokens, self._kv.layout.page_size, first_page, digests)
+        digests = span_digests(self._kv, self._global_heads, room.blocks, room.num_tokens, room.prefix_tokens)
+        self._report.room(room_id, room.num_tokens, room.prefix_tokens, digests)
 
     def shutdown(self) -> None:
         if self._agent is not None:

@@ -344,8 +344,9 @@ class DataTransport(ABC):
     def register(self, tensor: torch.Tensor) -> LocalRegion:
         """Register caller-owned memory (a contiguous tensor, viewed as bytes) and return its handle.
 
-        The caller keeps `tensor` alive until `unregister`. The local and cuda_ipc backends can export only memory
-        from `allocate`; a registered tensor can always be a write source. GPU tensors only with `device_memory`.
+        The caller keeps `tensor` alive until `unregister`. The cuda_ipc backend can export only memory from
+        `allocate` (the local backend exports caller memory through cross-memory writes); a registered tensor can
+        always be a write source. GPU tensors only with `device_memory`.
         """
         flat = _as_bytes(tensor, self.device_memory)
         with self._lock:

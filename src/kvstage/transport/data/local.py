@@ -9,16 +9,20 @@ and the free space, rather than a later write dying of SIGBUS), maps it and hand
 its descriptor names the segment and the owner's pid. A writer maps the named segment and a write is a `copy_` into
 that mapping, done by this transport's copy thread so that `write` returns at once; `poll` reports what it finished.
 
+Caller memory (a `KVPool`, or an engine's own KV cache) is exported as this process's memory instead: its pid,
+its start time and the address (`_ProcessRef`), and a writer copies into it with cross-memory writes,
+`process_vm_writev`, up to 1024 runs a system call (cma.py), on the same copy thread.
+
 Ownership. The process that created a segment is the only one that unlinks it (on `unregister` or `close`);
 writers only map and unmap. We do not use `multiprocessing.shared_memory`, whose resource tracker would unlink a
 segment when any process that merely attached to it exits. A segment left behind by a process killed with
 SIGKILL is swept by the next `LocalTransport` started by the same user.
 
-Invariants: a write to a peer whose process has died, or that has released the segment, fails with a reason
-and `peer_gone` before any byte is copied; a write whose `not_after` has passed when the copy thread takes it up
-copies nothing (`LEASE_EXPIRED`); with `max_write_s`, the copy goes in pieces and stops between two once
-half of `max_write_s` has passed since it began; a failed copy becomes a failed completion and the copy thread keeps
-running.
+Invariants: a write to a peer whose process has died (or whose pid now names another process), or that has released
+the segment, fails with a reason and `peer_gone` before any byte is copied; a write whose `not_after` has passed
+when the copy thread takes it up copies nothing (`LEASE_EXPIRED`); with `max_write_s`, the copy goes in pieces and
+stops between two once half of `max_write_s` has passed since it began; a failed copy becomes a failed completion
+and the copy thread keeps running.
 Called through `kvstage.transport.data.create_transport`.
 """
 
@@ -32,11 +36,14 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated
 
 import msgspec
 import torch
+from msgspec import Meta
 
 from kvstage.errors import TransportError
+from kvstage.transport.data import cma
 from kvstage.transport.data.base import (
     Completion,
     DataTransport,
@@ -47,6 +54,7 @@ from kvstage.transport.data.base import (
     TransportConfig,
     WriteBound,
 )
+from kvstage.transport.data.cma import ProcessMemory
 from kvstage.transport.data.workers import JobRunner
 
 log = logging.getLogger(__name__)
@@ -54,11 +62,21 @@ log = logging.getLogger(__name__)
 _SEGMENT_RE = re.compile(r"kvstage-(\d+)-[0-9a-f]{12}-\d+")
 
 
-class _SegmentRef(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """Payload of a local descriptor: the segment's file name (no directory) and its owner's pid."""
+class _SegmentRef(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="segment"):
+    """Payload of a local descriptor of an `allocate`d region: the segment's file name (no directory) and its owner's
+    pid."""
 
     segment: str
     pid: int
+
+
+class _ProcessRef(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="process"):
+    """Payload of a local descriptor of caller memory (an engine's KV cache): its owner's pid and start time, and
+    the memory's address there; writers reach it with cross-memory writes (cma.py)."""
+
+    pid: Annotated[int, Meta(ge=1, le=2**31)]
+    started: Annotated[int, Meta(ge=0)]
+    address: Annotated[int, Meta(ge=1, le=2**63 - 1)]  # a user-space address (x86-64, arm64: below 2**48)
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,7 +93,7 @@ class _Segment:
 class _Job:
     transfer_id: int
     src: torch.Tensor
-    dst: _Segment
+    dst: _Segment | ProcessMemory
     slices: tuple[Slice, ...]
     bound: WriteBound
 
@@ -96,7 +114,7 @@ class LocalTransport(DataTransport):
             raise TransportError(f"shared-memory directory {self._dir} does not exist; set TransportConfig.shm_dir")
         self._tag = uuid.uuid4().hex[:12]
         self._owned: dict[int, _Segment] = {}
-        self._mapped: dict[int, _Segment] = {}
+        self._mapped: dict[int, _Segment | ProcessMemory] = {}
         _sweep_dead_segments(self._dir)
         self._copier: JobRunner[_Job] = JobRunner(f"kvstage-local-{config.name}", _run_job, notify=self._completed)
 
@@ -116,7 +134,8 @@ class LocalTransport(DataTransport):
         return segment.tensor
 
     def _register(self, region: LocalRegion) -> None:
-        """Any CPU tensor can be a write source; only `allocate`d regions can be exported."""
+        """Any CPU tensor can be a write source, and exported: an `allocate`d one as its segment, caller memory
+        (an engine's KV cache) as this process's memory, which writers reach with cross-memory writes."""
 
     def _unregister(self, region: LocalRegion) -> None:
         segment = self._owned.pop(region.region_id, None)
@@ -125,18 +144,22 @@ class LocalTransport(DataTransport):
 
     def _export_payload(self, region: LocalRegion) -> bytes:
         segment = self._owned.get(region.region_id)
-        if segment is None:
-            raise TransportError(
-                f"the local backend can export only regions made by allocate(); region {region.region_id} was "
-                "registered from caller memory, which peers cannot map"
-            )
-        return msgspec.msgpack.encode(_SegmentRef(segment.path.name, segment.pid))
+        if segment is not None:
+            return msgspec.msgpack.encode(_SegmentRef(segment.path.name, segment.pid))
+        try:
+            memory = cma.this_process(region.address, region.nbytes)
+        except OSError as err:
+            raise TransportError(f"the local backend cannot export caller memory here: {err}") from err
+        return msgspec.msgpack.encode(_ProcessRef(memory.pid, memory.started, memory.address))
 
     def _import(self, descriptor: RegionDescriptor, remote: RemoteRegion) -> None:
         try:
-            ref = msgspec.msgpack.decode(descriptor.payload, type=_SegmentRef)
+            ref = msgspec.msgpack.decode(descriptor.payload, type=_SegmentRef | _ProcessRef)
         except msgspec.DecodeError as err:
             raise TransportError(f"malformed local descriptor from {descriptor.owner!r}: {err}") from err
+        if isinstance(ref, _ProcessRef):
+            self._mapped[remote.key] = ProcessMemory(ref.pid, ref.started, ref.address, descriptor.nbytes)
+            return
         if _SEGMENT_RE.fullmatch(ref.segment) is None:
             raise TransportError(f"descriptor from {descriptor.owner!r} names an invalid segment {ref.segment!r}")
         path = self._dir / ref.segment
@@ -181,10 +204,14 @@ def _run_job(job: _Job) -> Completion:
     if reason:
         return Completion(job.transfer_id, False, reason, len(job.slices), peer_gone=True)
     reason = job.bound.move(job.slices, lambda piece: _copy(job, piece))
+    if reason and isinstance(job.dst, ProcessMemory) and job.dst.gone():
+        return Completion(job.transfer_id, False, job.dst.gone(), len(job.slices), peer_gone=True)
     return Completion(job.transfer_id, not reason, reason, len(job.slices))
 
 
 def _copy(job: _Job, piece: tuple[Slice, ...]) -> str:
+    if isinstance(job.dst, ProcessMemory):  # one system call per IOV_MAX slices, checked against its pid first
+        return job.dst.gone() or cma.write_runs(job.dst, job.src.data_ptr(), piece)
     try:
         for s_off, d_off, length in piece:
             job.dst.tensor[d_off : d_off + length].copy_(job.src[s_off : s_off + length])
@@ -194,8 +221,11 @@ def _copy(job: _Job, piece: tuple[Slice, ...]) -> str:
     return ""
 
 
-def _peer_gone(segment: _Segment) -> str:
-    """Reason the segment's owner can no longer receive writes (dead or released), or ""."""
+def _peer_gone(segment: _Segment | ProcessMemory) -> str:
+    """Reason the segment's owner (or the process memory's) can no longer receive writes (dead or released), or
+    ""."""
+    if isinstance(segment, ProcessMemory):
+        return segment.gone()
     if not pid_alive(segment.pid):
         return f"peer dead: owner process {segment.pid} of segment {segment.path.name} has exited"
     try:

@@ -65,12 +65,13 @@ def die_with_parent(parent: int) -> None:
         os._exit(1)  # the parent died before we asked to follow it
 
 
-def _reader_main(conn: Connection, config: TransportConfig, nbytes: int, parent: int) -> None:
+def _reader_main(conn: Connection, config: TransportConfig, nbytes: int, parent: int, caller_memory: bool) -> None:
     """Child process body: own a transport and one region, answer commands until told to exit."""
     die_with_parent(parent)
     try:
         transport = create_transport(config)
-        region = transport.allocate(nbytes)
+        memory = torch.zeros(nbytes, dtype=torch.uint8) if caller_memory else None
+        region = transport.allocate(nbytes) if memory is None else transport.register(memory)
         conn.send(("ok", encode_descriptor(transport.export(region))))
     except (KVStageError, OSError) as err:  # a start-up failure goes back to the parent, then we exit
         conn.send(("error", f"{type(err).__name__}: {err}"))
@@ -95,10 +96,15 @@ def _reader_main(conn: Connection, config: TransportConfig, nbytes: int, parent:
 class ReaderPeer:
     """A reader in its own process: `descriptor` describes its region of `nbytes` (zeroed at start)."""
 
-    def __init__(self, config: TransportConfig, nbytes: int, start_timeout_s: float = 60.0) -> None:
+    def __init__(
+        self, config: TransportConfig, nbytes: int, start_timeout_s: float = 60.0, *, caller_memory: bool = False
+    ) -> None:
+        """With `caller_memory`, the region is memory the reader allocated itself and registered (as an engine's
+        KV cache is), not the transport's `allocate`."""
         ctx = mp.get_context("spawn")
         self._conn, child_conn = ctx.Pipe()
-        self.process = ctx.Process(target=_reader_main, args=(child_conn, config, nbytes, os.getpid()), daemon=True)
+        args = (child_conn, config, nbytes, os.getpid(), caller_memory)
+        self.process = ctx.Process(target=_reader_main, args=args, daemon=True)
         self.process.start()
         child_conn.close()
         status, payload = self._recv(start_timeout_s)
