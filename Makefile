@@ -38,12 +38,17 @@ $(STAMP_TEST): pyproject.toml $(STAMP_VLLM) | system-deps
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec
 	touch $@
 
-# Mooncake's transfer engine loads libibverbs at import time, even for TCP.
+# Mooncake's transfer engine loads libibverbs at import time, even for TCP. nftables: tests/e2e/test_hosts.py.
 system-deps:
 	@if ! ldconfig -p | grep -q 'libibverbs.so.1'; then \
 		echo "installing libibverbs1 (needed by Mooncake's transfer engine)"; \
 		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 		$$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq libibverbs1; \
+	fi
+	@if ! command -v nft >/dev/null; then \
+		echo "installing nftables (the multi-host tests cut one direction of a link with it)"; \
+		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+		$$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq nftables; \
 	fi
 
 lint: $(STAMP_TEST)

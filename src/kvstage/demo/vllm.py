@@ -2,9 +2,11 @@
 instance of different TP sizes, with kvstage moving the KV between them; every request verified twice.
 
 Owns `DemoOptions`, `DemoReport` and `run_demo`, which:
-1. builds the tiny local model once (kvstage.e2e.model) and starts, on the loopback address, `kvstage bootstrap`,
-   a vLLM prefill server (TP = prefill_tp), a vLLM decode server (TP = decode_tp), both with `KVStageConnector`,
-   and the `kvstage router` in front of them;
+1. builds the tiny local model once (kvstage.e2e.model) and starts `kvstage bootstrap`, a vLLM prefill server
+   (TP = prefill_tp), a vLLM decode server (TP = decode_tp), both with `KVStageConnector`, and the
+   `kvstage router` in front of them: on the loopback address, or with `hosts = 3` on three hosts made of
+   network namespaces (kvstage.e2e.hosts): prefill on A, decode on B, the bootstrap and the router on C, each
+   reached at its own address, under a shared secret drawn for the run;
 2. runs every prompt once on the decode server alone (a single-instance vLLM run: the reference), then clears
    its prefix cache so that the handoff starts cold;
 3. sends every prompt through the router with the `openai` client, streamed, timing the first token;
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import random
+import secrets
 import statistics
 import tempfile
 import time
@@ -34,8 +37,17 @@ from pathlib import Path
 import httpx
 
 from kvstage.demo.summary import summary_table
+from kvstage.e2e.hosts import HostNet
 from kvstage.e2e.model import TinyModelSpec, build_tiny_model
-from kvstage.e2e.servers import VLLMServerSpec, free_port, start_bootstrap, start_router, start_vllm
+from kvstage.e2e.servers import (
+    LOCAL,
+    Placement,
+    VLLMServerSpec,
+    free_port,
+    start_bootstrap,
+    start_router,
+    start_vllm,
+)
 from kvstage.e2e.verify import check_rooms, decode_rooms, read_counters
 
 #: Seconds a vLLM server may take to come up on a 2-core machine (about 55 s at TP 1, more at TP 2).
@@ -54,6 +66,7 @@ class DemoOptions:
     concurrency: int = 4
     seed: int = 1
     work_dir: Path | None = None  # logs and reports; a temporary folder (removed) when None
+    hosts: int = 1  # 1: everything on this host's loopback; 3: prefill, decode and bootstrap+router on hosts A, B, C
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,17 +138,18 @@ def run_demo(options: DemoOptions = DemoOptions(), *, quiet: bool = False) -> De
         with stage("building the tiny model (cached after the first run)"):
             model = build_tiny_model(spec)
         logs = work / "logs"
-        bootstrap = start_bootstrap(logs)
+        prefill_at, decode_at, control_at = _placements(options.hosts, stack)
+        bootstrap = start_bootstrap(logs, control_at)
         stack.callback(bootstrap.stop)
         bootstrap.wait_ready(60.0)
-        servers = _server_specs(options, model, bootstrap.url, reports)
+        servers = _server_specs(options, model, bootstrap.url, reports, (prefill_at, decode_at))
         procs = [start_vllm(s, logs) for s in servers]
         for proc in procs:
             stack.callback(proc.stop)
         with stage(f"starting vLLM prefill (TP={options.prefill_tp}) and decode (TP={options.decode_tp})"):
             for proc in procs:
                 proc.wait_ready(START_TIMEOUT_S)
-        router = start_router(bootstrap.url, [servers[0]], [servers[1]], logs / "router.log")
+        router = start_router(bootstrap.url, [servers[0]], [servers[1]], logs / "router.log", placement=control_at)
         stack.callback(router.stop)
         with stage("starting the router"):
             router.wait_ready(60.0)
@@ -154,11 +168,37 @@ def run_demo(options: DemoOptions = DemoOptions(), *, quiet: bool = False) -> De
     raise AssertionError("unreachable")  # pragma: no cover - ExitStack does not swallow exceptions
 
 
-def _server_specs(options: DemoOptions, model: Path, bootstrap: str, reports: Path) -> tuple[VLLMServerSpec, ...]:
-    common = {"model": model, "bootstrap": bootstrap, "backend": options.backend, "report_dir": str(reports)}
-    prefill = VLLMServerSpec("prefill", "prefill", options.prefill_tp, free_port(), **common)  # type: ignore[arg-type]
-    decode = VLLMServerSpec("decode", "decode", options.decode_tp, free_port(), dev_mode=True, **common)  # type: ignore[arg-type]
-    return prefill, decode
+def _placements(hosts: int, stack: contextlib.ExitStack) -> tuple[Placement, Placement, Placement]:
+    """Where prefill, decode, and the bootstrap with the router run: all here, or on hosts A, B and C (made now,
+    removed when `stack` closes)."""
+    if hosts == 1:
+        return LOCAL, LOCAL, LOCAL
+    if hosts != 3:
+        raise ValueError(f"the demo runs on 1 or 3 hosts, not {hosts}")
+    net = stack.enter_context(HostNet())
+    secret = secrets.token_hex(16)
+    a, b, c = (Placement(h.address, tuple(h.command([])), secret) for h in net.hosts.values())
+    return a, b, c
+
+
+def _server_specs(
+    options: DemoOptions, model: Path, bootstrap: str, reports: Path, where: tuple[Placement, Placement]
+) -> tuple[VLLMServerSpec, VLLMServerSpec]:
+    def spec(role: str, tp: int, placement: Placement) -> VLLMServerSpec:
+        return VLLMServerSpec(
+            role,
+            role,
+            tp,
+            free_port(),
+            model,
+            bootstrap,
+            backend=options.backend,
+            report_dir=str(reports),
+            dev_mode=role == "decode",
+            placement=placement,
+        )
+
+    return spec("prefill", options.prefill_tp, where[0]), spec("decode", options.decode_tp, where[1])
 
 
 def _run_all(url: str, prompts: list[list[int]], options: DemoOptions, *, concurrency: int) -> list[_Answer]:

@@ -47,6 +47,7 @@ from kvstage.protocol import (
 )
 from kvstage.ring import StagingRing
 from kvstage.runtime.agent import BaseAgent
+from kvstage.runtime.canary import CanaryRing
 from kvstage.runtime.config import AgentConfig, AgentSnapshot, RoomOutcome
 from kvstage.runtime.copier import CopyDone
 from kvstage.transport.data import (
@@ -127,7 +128,12 @@ class DecodeAgent(BaseAgent):
         )
 
     def _make_endpoint(self) -> DecodeEndpoint:
-        ring = StagingRing(self.config.ring_bytes, self.config.ring_alignment)
+        cfg = self.config
+        ring = (
+            CanaryRing(cfg.ring_bytes, cfg.ring_alignment, self.ring_region.tensor, self.metrics.canary_violated)
+            if cfg.ring_canary
+            else StagingRing(cfg.ring_bytes, cfg.ring_alignment)
+        )
         return DecodeEndpoint(self._endpoint_config, self.session, ring=ring, codec=self._codec)
 
     def _execute(self, action: Action) -> None:

@@ -51,6 +51,7 @@ COUNTERS = (
     "kvstage_room_failures_total",
     "kvstage_ring_high_water_bytes",
     "kvstage_ring_live_bytes",
+    "kvstage_ring_canary_violations_total",
 )
 
 

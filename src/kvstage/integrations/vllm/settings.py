@@ -34,6 +34,9 @@ class ConnectorSettings:
       late on a busy CPU host), and a false "peer dead" costs a recompute. Heartbeats go every tenth of it.
     - `report_dir`: when set, each rank appends per-page digests of the KV it sent or received, and its
       transfer counters, to a file there (the demo's checks). Off by default: it reads every byte once more.
+    - `ring_canary` (decode): 1 keeps the ring's free bytes filled with a canary and checks it at every
+      allocation and free; a byte found written counts as `kvstage_ring_canary_violations_total` (a write landed
+      after its room released the space). A diagnostic (tests, a deployment under suspicion); 0, off, by default.
     - `secret_file`: a file holding the deployment's shared secret (else `KVSTAGE_SECRET`, else none): every
       control frame and bootstrap request is then authenticated (docs/security.md). Needed when `host` is not a
       loopback address.
@@ -50,6 +53,7 @@ class ConnectorSettings:
     dead_after_s: float = 20.0
     report_dir: str = ""
     secret_file: str = ""
+    ring_canary: int = 0
 
     def __post_init__(self) -> None:
         if not self.instance or "/" in self.instance:
@@ -59,6 +63,8 @@ class ConnectorSettings:
         for name in ("ring_mib", "staging_mib"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"kvstage: {name!r} must be positive, got {getattr(self, name)!r}")
+        if self.ring_canary not in (0, 1):
+            raise ConfigError(f"kvstage: 'ring_canary' must be 0 or 1, got {self.ring_canary!r}")
         if self.chunk_tokens < 0:
             raise ConfigError(f"kvstage: 'chunk_tokens' must be 0 (automatic) or positive, got {self.chunk_tokens}")
         for name in ("room_timeout_s", "dead_after_s"):
