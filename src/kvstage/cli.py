@@ -77,6 +77,8 @@ def demo(
 
     if hosts == 2:
         raise typer.BadParameter("1 or 3", param_hint="--hosts")
+    if hosts == 3 and backend == "local":
+        raise typer.BadParameter("local moves KV within one host: use mooncake or nixl", param_hint="--backend")
     if shared_prefix_tokens >= prompt_tokens:
         raise typer.BadParameter("must be below --prompt-tokens", param_hint="--shared-prefix-tokens")
     options = DemoOptions(

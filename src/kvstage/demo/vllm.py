@@ -130,6 +130,8 @@ class _Stage:
 
 
 def run_demo(options: DemoOptions = DemoOptions(), *, quiet: bool = False) -> DemoReport:
+    if options.hosts > 1 and options.backend == "local":
+        raise ValueError("the local backend moves KV within one host: across hosts, use mooncake or nixl")
     stage = _Stage(quiet)
     with contextlib.ExitStack() as stack:
         work = options.work_dir or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvstage-demo-")))
@@ -177,7 +179,7 @@ def _placements(hosts: int, stack: contextlib.ExitStack) -> tuple[Placement, Pla
         raise ValueError(f"the demo runs on 1 or 3 hosts, not {hosts}")
     net = stack.enter_context(HostNet())
     secret = secrets.token_hex(16)
-    a, b, c = (Placement(h.address, tuple(h.command([])), secret) for h in net.hosts.values())
+    a, b, c = (net.placement(name, secret) for name in net.hosts)
     return a, b, c
 
 

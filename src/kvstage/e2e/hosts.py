@@ -28,6 +28,7 @@ import subprocess
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvstage.e2e.servers import Placement
 from kvstage.errors import KVStageError
 
 #: The first two octets of every subnet a `HostNet` takes (one /24 each: 10.77.N.0/24).
@@ -36,6 +37,9 @@ _PREFIX = "10.77"
 _OPERATOR_OCTET = 254
 #: The nftables table kvstage's cuts live in, inside a host's namespace.
 _TABLE = "kvstage_cut"
+#: Hosts of a `HostNet` share this machine's memory and host name, so UCX would take its shared-memory transports
+#: between them and NIXL's writes would never cross a link: processes on them use UCX's TCP transport only.
+NETWORK_ONLY_ENV = (("UCX_TLS", "tcp"),)
 
 
 class HostsUnavailable(KVStageError):
@@ -144,6 +148,11 @@ class HostNet:
         _ip(netns, "addr", "add", f"{mine}/32", "dev", device)
         _ip(netns, "link", "set", "dev", device, "up")
         _ip(netns, "route", "add", f"{peer}/32", "dev", device, "src", mine)
+
+    def placement(self, name: str, secret: str) -> Placement:
+        """Where a process on host `name` runs: its address, inside its namespace, under the deployment's secret."""
+        host = self.hosts[name]
+        return Placement(host.address, tuple(host.command([])), secret, NETWORK_ONLY_ENV)
 
     def close(self) -> None:
         """Remove every namespace and operator link this made (a namespace's links go with it)."""

@@ -165,9 +165,10 @@ class Placement:
     address: str = "127.0.0.1"
     prefix: tuple[str, ...] = ()
     secret: str = ""
+    extra_env: tuple[tuple[str, str], ...] = ()
 
     def env(self) -> dict[str, str]:
-        return {"KVSTAGE_SECRET": self.secret} if self.secret else {}
+        return {**({"KVSTAGE_SECRET": self.secret} if self.secret else {}), **dict(self.extra_env)}
 
     def argv(self, argv: Sequence[str]) -> list[str]:
         return [*self.prefix, *argv]
