@@ -44,12 +44,12 @@ REFUSED = namespaces_refused()
 pytestmark = pytest.mark.skipif(REFUSED is not None, reason=f"no multi-host harness here: {REFUSED}")
 
 ROOM_TIMEOUT_S = 30.0
-DEAD_AFTER_S = 8.0
+DEAD_AFTER_S = 10.0
 SHORT_CUT_S = 3.0  # < DEAD_AFTER_S: the peers ride it out, or rooms fail by their own timers
-LONG_CUT_S = 12.0  # > DEAD_AFTER_S: each side declares the other dead
+LONG_CUT_S = 15.0  # > DEAD_AFTER_S: each side declares the other dead
 MAX_TOKENS = 8
-#: Long prompts (6 chunks of 256 tokens) so that a cut finds transfers under way.
-PROMPT_TOKENS = 1500
+#: Long prompts (4 chunks of 256 tokens) so that a cut finds transfers under way.
+PROMPT_TOKENS = 1024
 EXTRA_CONFIG = (
     ("room_timeout_s", ROOM_TIMEOUT_S),
     ("dead_after_s", DEAD_AFTER_S),
