@@ -6,7 +6,8 @@ One pair, P2 (TP=2, A) -> D1 (TP=1, B) over Mooncake, serves the whole module: e
 bit-exact, tokens equal to decode alone), then the A-B link cut during transfers longer than `dead_after_s` and
 healed again (the default run); `slow` adds a cut shorter than `dead_after_s` and a cut of one direction only
 (nftables in A). Decode keeps a canary in its free ring bytes (`ring_canary`), so a write that lands after its
-room released the space is counted. The other backend and TP pairs, and NIXL beside a CPU hog, are `kvstage demo --hosts 3` runs behind `slow`.
+room released the space is counted. The other backend and TP pairs, and NIXL beside a CPU hog, are
+`kvstage demo --hosts 3` runs behind `slow`.
 """
 
 from __future__ import annotations
