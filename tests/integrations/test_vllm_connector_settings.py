@@ -27,8 +27,9 @@ def test_settings_take_their_types_from_the_extra_config_strings_included() -> N
         ({"instance": "P", "backend": "rdma"}, "'backend'"),
         ({"instance": "P/0"}, "'instance'"),
         ({"instance": "P", "dead_after_s": 0}, "'dead_after_s'"),
+        ({"instance": "D", "ring_canary": 2}, "'ring_canary'"),
     ],
-    ids=["no instance", "unknown key", "not a number", "unknown backend", "slash in name", "zero liveness"],
+    ids=["no instance", "unknown key", "not a number", "unknown backend", "slash in name", "zero liveness", "canary"],
 )
 def test_a_bad_extra_config_is_refused_naming_the_key(extra: dict[str, object], named: str) -> None:
     with pytest.raises(ConfigError, match=named):
