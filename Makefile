@@ -39,7 +39,7 @@ $(STAMP_TEST): pyproject.toml $(STAMP_VLLM) | system-deps
 	touch $@
 
 # Mooncake's transfer engine loads libibverbs at import time, even for TCP. The tests of the directory on etcd start
-# Debian's etcd server.
+# Debian's etcd server; nftables: tests/e2e/test_hosts.py cuts one direction of a link with it.
 system-deps:
 	@if ! ldconfig -p | grep -q 'libibverbs.so.1'; then \
 		echo "installing libibverbs1 (needed by Mooncake's transfer engine)"; \
@@ -50,6 +50,11 @@ system-deps:
 		echo "installing etcd-server (the tests of the directory on etcd start one)"; \
 		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 		$$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq etcd-server; \
+	fi
+	@if ! command -v nft >/dev/null; then \
+		echo "installing nftables (the multi-host tests cut one direction of a link with it)"; \
+		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+		$$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq nftables; \
 	fi
 
 lint: $(STAMP_TEST)

@@ -47,6 +47,14 @@ def demo(
         0, "--shared-prefix-tokens", min=0, help="Requests share a system prompt of this many tokens."
     ),
     max_tokens: int = typer.Option(16, "--max-tokens", min=1, help="Tokens to generate per request."),
+    hosts: int = typer.Option(
+        1,
+        "--hosts",
+        min=1,
+        max=3,
+        help="1: all on this host's loopback. 3: prefill, decode, and bootstrap+router each on a host of its own "
+        "(network namespaces joined by veth links; needs root).",
+    ),
     work_dir: Annotated[
         Path | None, typer.Option("--work-dir", help="Keep the servers' logs and reports here.")
     ] = None,
@@ -74,6 +82,10 @@ def demo(
     from kvstage.demo.vllm import DemoOptions, print_summary
     from kvstage.demo.vllm import run_demo as run_vllm
 
+    if hosts == 2:
+        raise typer.BadParameter("1 or 3", param_hint="--hosts")
+    if hosts == 3 and backend == "local":
+        raise typer.BadParameter("local moves KV within one host: use mooncake or nixl", param_hint="--backend")
     if shared_prefix_tokens >= prompt_tokens:
         raise typer.BadParameter("must be below --prompt-tokens", param_hint="--shared-prefix-tokens")
     options = DemoOptions(
@@ -86,6 +98,7 @@ def demo(
         max_tokens=max_tokens,
         work_dir=work_dir,
         bootstrap=bootstrap,
+        hosts=hosts,
     )
     vllm = run_vllm(options)
     print_summary(vllm, options)

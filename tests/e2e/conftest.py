@@ -57,8 +57,8 @@ START_TIMEOUT_S = 600.0
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """This folder's `test_z...` tests (they kill instances of the shared cluster) run after its other tests, of
-    every module, and in the order of their names. The rest of the session keeps its order. The first test of this
-    folder starts the cluster: its time limit (pytest-timeout, 300 s a test in pyproject.toml) grows by the
+    every module, and in the order of their names. The rest of the session keeps its order. The first test that uses
+    the cluster starts it: its time limit (pytest-timeout, 300 s a test in pyproject.toml) grows by the
     cluster's own bound."""
     here = Path(__file__).parent
     ours = [item for item in items if here in item.path.parents]
@@ -68,7 +68,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         rest = [item for item in items if item not in last]
         at = rest.index(others[-1]) + 1 if others else min(items.index(item) for item in last)
         items[:] = [*rest[:at], *last, *rest[at:]]
-    first = next((item for item in items if here in item.path.parents), None)
+    first = next((item for item in items if "cluster" in getattr(item, "fixturenames", ())), None)
     if first is not None:
         first.add_marker(pytest.mark.timeout(300 + START_TIMEOUT_S))
 

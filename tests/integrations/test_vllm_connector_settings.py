@@ -29,8 +29,18 @@ def test_settings_take_their_types_from_the_extra_config_strings_included() -> N
         ({"instance": "P/0"}, "'instance'"),
         ({"instance": "P", "dead_after_s": 0}, "'dead_after_s'"),
         ({"instance": "P", "url": "10.0.0.2:8100"}, "'url'"),
+        ({"instance": "D", "ring_canary": 2}, "'ring_canary'"),
     ],
-    ids=["no instance", "unknown key", "not a number", "unknown backend", "slash in name", "zero liveness", "url"],
+    ids=[
+        "no instance",
+        "unknown key",
+        "not a number",
+        "unknown backend",
+        "slash in name",
+        "zero liveness",
+        "url",
+        "canary",
+    ],
 )
 def test_a_bad_extra_config_is_refused_naming_the_key(extra: dict[str, object], named: str) -> None:
     with pytest.raises(ConfigError, match=named):

@@ -3,9 +3,12 @@ instance of two TP sizes, with kvstage moving the KV between them (staged, or di
 request verified twice.
 
 Owns `DemoOptions`, `DemoReport` and `run_demo`, which:
-1. builds the tiny local model once (kvstage.e2e.model) and starts, on the loopback address, `kvstage bootstrap`
-   (unless `bootstrap` names a directory to use, such as an etcd), a vLLM prefill server (TP = prefill_tp), a vLLM
-   decode server (TP = decode_tp), both with `KVStageConnector`, and the `kvstage router` in front of them;
+1. builds the tiny local model once (kvstage.e2e.model) and starts `kvstage bootstrap` (unless `bootstrap` names a
+   directory to use, such as an etcd), a vLLM prefill server (TP = prefill_tp), a vLLM decode server
+   (TP = decode_tp), both with `KVStageConnector`, and the `kvstage router` in front of them: on the loopback
+   address, or with `hosts = 3` on three hosts made of network namespaces (kvstage.e2e.hosts): prefill on A,
+   decode on B, the bootstrap and the router on C, each reached at its own address, under a shared secret drawn
+   for the run;
 2. runs every prompt once on the decode server alone (a single-instance vLLM run: the reference), then clears
    its prefix cache so that the handoff starts cold;
 3. sends every prompt through the router with the `openai` client, streamed, timing the first token;
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import random
+import secrets
 import statistics
 import tempfile
 import time
@@ -35,8 +39,17 @@ from pathlib import Path
 import httpx
 
 from kvstage.demo.summary import summary_table
+from kvstage.e2e.hosts import HostNet
 from kvstage.e2e.model import TinyModelSpec, build_tiny_model
-from kvstage.e2e.servers import VLLMServerSpec, free_port, start_bootstrap, start_router, start_vllm
+from kvstage.e2e.servers import (
+    LOCAL,
+    Placement,
+    VLLMServerSpec,
+    free_port,
+    start_bootstrap,
+    start_router,
+    start_vllm,
+)
 from kvstage.e2e.verify import check_rooms, decode_rooms, read_counters
 
 #: Seconds a vLLM server may take to come up on a 2-core machine (about 55 s at TP 1, more at TP 2).
@@ -56,6 +69,7 @@ class DemoOptions:
     seed: int = 1
     work_dir: Path | None = None  # logs and reports; a temporary folder (removed) when None
     bootstrap: str = ""  # the directory to use (tcp:// or etcd://); "" starts a `kvstage bootstrap` of its own
+    hosts: int = 1  # 1: everything on this host's loopback; 3: prefill, decode and bootstrap+router on hosts A, B, C
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,6 +140,8 @@ class _Stage:
 
 
 def run_demo(options: DemoOptions = DemoOptions(), *, quiet: bool = False) -> DemoReport:
+    if options.hosts > 1 and options.backend == "local":
+        raise ValueError("the local backend moves KV within one host: across hosts, use mooncake or nixl")
     stage = _Stage(quiet)
     with contextlib.ExitStack() as stack:
         work = options.work_dir or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvstage-demo-")))
@@ -134,15 +150,16 @@ def run_demo(options: DemoOptions = DemoOptions(), *, quiet: bool = False) -> De
         with stage("building the tiny model (cached after the first run)"):
             model = build_tiny_model(spec)
         logs = work / "logs"
-        directory = options.bootstrap or _start_bootstrap(stack, logs)
-        servers = _server_specs(options, model, directory, reports)
+        prefill_at, decode_at, control_at = _placements(options.hosts, stack)
+        directory = options.bootstrap or _start_bootstrap(stack, logs, control_at)
+        servers = _server_specs(options, model, directory, reports, (prefill_at, decode_at))
         procs = [start_vllm(s, logs) for s in servers]
         for proc in procs:
             stack.callback(proc.stop)
         with stage(f"starting vLLM prefill (TP={options.prefill_tp}) and decode (TP={options.decode_tp})"):
             for proc in procs:
                 proc.wait_ready(START_TIMEOUT_S)
-        router = start_router(directory, [servers[0]], [servers[1]], logs / "router.log")
+        router = start_router(directory, [servers[0]], [servers[1]], logs / "router.log", placement=control_at)
         stack.callback(router.stop)
         with stage("starting the router"):
             router.wait_ready(60.0)
@@ -161,18 +178,44 @@ def run_demo(options: DemoOptions = DemoOptions(), *, quiet: bool = False) -> De
     raise AssertionError("unreachable")  # pragma: no cover - ExitStack does not swallow exceptions
 
 
-def _start_bootstrap(stack: contextlib.ExitStack, logs: Path) -> str:
-    bootstrap = start_bootstrap(logs)
+def _start_bootstrap(stack: contextlib.ExitStack, logs: Path, placement: Placement) -> str:
+    bootstrap = start_bootstrap(logs, placement)
     stack.callback(bootstrap.stop)
     bootstrap.wait_ready(60.0)
     return bootstrap.url
 
 
-def _server_specs(options: DemoOptions, model: Path, bootstrap: str, reports: Path) -> tuple[VLLMServerSpec, ...]:
-    common = {"model": model, "bootstrap": bootstrap, "backend": options.backend, "report_dir": str(reports)}
-    prefill = VLLMServerSpec("prefill", "prefill", options.prefill_tp, free_port(), **common)  # type: ignore[arg-type]
-    decode = VLLMServerSpec("decode", "decode", options.decode_tp, free_port(), dev_mode=True, **common)  # type: ignore[arg-type]
-    return prefill, decode
+def _placements(hosts: int, stack: contextlib.ExitStack) -> tuple[Placement, Placement, Placement]:
+    """Where prefill, decode, and the bootstrap with the router run: all here, or on hosts A, B and C (made now,
+    removed when `stack` closes)."""
+    if hosts == 1:
+        return LOCAL, LOCAL, LOCAL
+    if hosts != 3:
+        raise ValueError(f"the demo runs on 1 or 3 hosts, not {hosts}")
+    net = stack.enter_context(HostNet())
+    secret = secrets.token_hex(16)
+    a, b, c = (net.placement(name, secret) for name in net.hosts)
+    return a, b, c
+
+
+def _server_specs(
+    options: DemoOptions, model: Path, bootstrap: str, reports: Path, where: tuple[Placement, Placement]
+) -> tuple[VLLMServerSpec, VLLMServerSpec]:
+    def spec(role: str, tp: int, placement: Placement) -> VLLMServerSpec:
+        return VLLMServerSpec(
+            role,
+            role,
+            tp,
+            free_port(),
+            model,
+            bootstrap,
+            backend=options.backend,
+            report_dir=str(reports),
+            dev_mode=role == "decode",
+            placement=placement,
+        )
+
+    return spec("prefill", options.prefill_tp, where[0]), spec("decode", options.decode_tp, where[1])
 
 
 def _run_all(url: str, prompts: list[list[int]], options: DemoOptions, *, concurrency: int) -> list[_Answer]:

@@ -1,9 +1,11 @@
 """Processes of an end-to-end run: vLLM servers with the kvstage connector, and the kvstage router.
 
-Owns `VLLMServerSpec` (one vLLM OpenAI server: its role, instance name, TP size, port and kvstage settings),
-`ManagedProcess` (a child process in its own process group, with its log file, readiness probe, graceful stop and
-kill -9 of the whole group), and the functions that start each kind: vLLM, `kvstage bootstrap` and
-`kvstage router`, each in a process of its own as a deployment runs them. Nothing here knows about requests.
+Owns `Placement` (where a process runs: the address it binds, the command prefix that puts it on its host, the
+deployment's secret), `VLLMServerSpec` (one vLLM OpenAI server: its role, instance name, TP size, port, placement
+and kvstage settings), `ManagedProcess` (a child process in its own process group, with its log file, readiness
+probe, graceful stop and kill -9 of the whole group), and the functions that start each kind: vLLM,
+`kvstage bootstrap` and `kvstage router`, each in a process of its own as a deployment runs them.
+Nothing here knows about requests.
 
 Invariants: every process started here is in its own session, so stopping or killing it takes its workers with
 it; a process that exits before it is ready raises at once with the tail of its log; `stop` always reaps.
@@ -65,11 +67,11 @@ def http_ready(url: str) -> Callable[[], bool]:
     return probe
 
 
-def bootstrap_ready(address: str) -> Callable[[], bool]:
-    """Readiness of a bootstrap service: it answers a lookup."""
+def bootstrap_ready(address: str, secret: str = "") -> Callable[[], bool]:
+    """Readiness of a bootstrap service: it answers a lookup (made under `secret`, if any)."""
 
     def probe() -> bool:
-        client = BootstrapClient(address, timeout_s=2.0)
+        client = BootstrapClient(address, timeout_s=2.0, secret=secret.encode() or None)
         try:
             client.lookup([])
         except TransportError:
@@ -155,6 +157,31 @@ class ManagedProcess:
 
 
 @dataclass(frozen=True, slots=True)
+class Placement:
+    """Where a process runs: the address it binds and is reached at, the command prefix that starts it on its
+    host (`ip netns exec NS` for a host of `kvstage.e2e.hosts`; nothing for this one), and the deployment's shared
+    secret (`KVSTAGE_SECRET`; needed by every process once anything binds beyond loopback)."""
+
+    address: str = "127.0.0.1"
+    prefix: tuple[str, ...] = ()
+    secret: str = ""
+    extra_env: tuple[tuple[str, str], ...] = ()
+
+    def env(self) -> dict[str, str]:
+        return {**({"KVSTAGE_SECRET": self.secret} if self.secret else {}), **dict(self.extra_env)}
+
+    def argv(self, argv: Sequence[str]) -> list[str]:
+        return [*self.prefix, *argv]
+
+    def url(self, port: int) -> str:
+        return f"http://{self.address}:{port}"
+
+
+#: This host, on the loopback address, without a secret.
+LOCAL = Placement()
+
+
+@dataclass(frozen=True, slots=True)
 class VLLMServerSpec:
     """One vLLM server with the kvstage connector. `role` is "prefill" or "decode"."""
 
@@ -171,10 +198,12 @@ class VLLMServerSpec:
     extra_config: tuple[tuple[str, object], ...] = ()
     max_model_len: int = MAX_MODEL_LEN
     extra_args: tuple[str, ...] = ()  # more vLLM flags, e.g. ("--num-gpu-blocks-override", "12")
+    placement: Placement = LOCAL
+    extra_env: tuple[tuple[str, str], ...] = ()  # more environment, e.g. UCX's settings
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return self.placement.url(self.port)
 
     def kv_transfer_config(self) -> dict[str, object]:
         extra: dict[str, object] = {
@@ -183,6 +212,8 @@ class VLLMServerSpec:
             "backend": self.backend,
             "url": self.url,  # published with the ranks' records: `kvstage router --discover` finds the server
         }
+        if self.placement.address != LOCAL.address:
+            extra["host"] = self.placement.address
         if self.report_dir:
             extra["report_dir"] = self.report_dir
         extra.update(dict(self.extra_config))
@@ -195,28 +226,30 @@ class VLLMServerSpec:
         }
 
     def argv(self) -> list[str]:
-        return [
-            sys.executable,
-            "-m",
-            "vllm.entrypoints.openai.api_server",
-            "--model",
-            str(self.model),
-            "--served-model-name",
-            "tiny",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
-            "--dtype",
-            "float32",
-            "--max-model-len",
-            str(self.max_model_len),
-            "--tensor-parallel-size",
-            str(self.tp),
-            "--kv-transfer-config",
-            json.dumps(self.kv_transfer_config()),
-            *self.extra_args,
-        ]
+        return self.placement.argv(
+            [
+                sys.executable,
+                "-m",
+                "vllm.entrypoints.openai.api_server",
+                "--model",
+                str(self.model),
+                "--served-model-name",
+                "tiny",
+                "--host",
+                self.placement.address,
+                "--port",
+                str(self.port),
+                "--dtype",
+                "float32",
+                "--max-model-len",
+                str(self.max_model_len),
+                "--tensor-parallel-size",
+                str(self.tp),
+                "--kv-transfer-config",
+                json.dumps(self.kv_transfer_config()),
+                *self.extra_args,
+            ]
+        )
 
     def env(self) -> dict[str, str]:
         """vLLM on CPU: a small KV cache, and each TP rank bound to a core of its own (the box has two)."""
@@ -224,6 +257,8 @@ class VLLMServerSpec:
             "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib),
             "VLLM_CPU_OMP_THREADS_BIND": "auto",
             "KVSTAGE_VLLM_NO_SPIN": "1",
+            **self.placement.env(),
+            **dict(self.extra_env),
         }
         if self.dev_mode:
             env["VLLM_SERVER_DEV_MODE"] = "1"
@@ -239,12 +274,16 @@ def start_vllm(spec: VLLMServerSpec, log_dir: Path) -> ManagedProcess:
     return ManagedProcess(name, spec.argv(), log, spec.url, http_ready(spec.url), spec.env()).start()
 
 
-def start_bootstrap(log_dir: Path) -> ManagedProcess:
-    """`kvstage bootstrap` on a free loopback port, in its own process (as a deployment runs it)."""
+def start_bootstrap(log_dir: Path, placement: Placement = LOCAL) -> ManagedProcess:
+    """`kvstage bootstrap` on a free port of `placement`, in its own process (as a deployment runs it)."""
     port = free_port()
-    address = f"tcp://127.0.0.1:{port}"
-    argv = [sys.executable, "-m", "kvstage", "bootstrap", "--port", str(port)]
-    return ManagedProcess("bootstrap", argv, log_dir / "bootstrap.log", address, bootstrap_ready(address)).start()
+    address = f"tcp://{placement.address}:{port}"
+    argv = placement.argv(
+        [sys.executable, "-m", "kvstage", "bootstrap", "--host", placement.address, "--port", str(port)]
+    )
+    ready = bootstrap_ready(address, placement.secret)
+    log = log_dir / "bootstrap.log"
+    return ManagedProcess("bootstrap", argv, log, address, ready, placement.env()).start()
 
 
 def start_router(
@@ -253,13 +292,15 @@ def start_router(
     decode: list[VLLMServerSpec],
     log_path: Path,
     extra_args: Sequence[str] = (),
+    placement: Placement = LOCAL,
 ) -> ManagedProcess:
-    """`kvstage router` on a free loopback port, in front of the given instances (each role's in turn), with
-    `extra_args` (more router flags) appended."""
+    """`kvstage router` on a free port of `placement`, in front of the given instances (each role's in turn),
+    with `extra_args` (more router flags) appended."""
     port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    argv = [sys.executable, "-m", "kvstage", "router", "--bootstrap", bootstrap, "--port", str(port)]
+    url = placement.url(port)
+    argv = [sys.executable, "-m", "kvstage", "router", "--bootstrap", bootstrap]
+    argv += ["--host", placement.address, "--port", str(port)]
     for spec in [*prefill, *decode]:
         argv += [f"--{spec.role}", f"{spec.instance}={spec.url}"]
     argv += extra_args
-    return ManagedProcess("router", argv, log_path, url, http_ready(url)).start()
+    return ManagedProcess("router", placement.argv(argv), log_path, url, http_ready(url), placement.env()).start()

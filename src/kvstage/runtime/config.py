@@ -47,6 +47,8 @@ class AgentConfig:
     chunk_tokens: int = 0
     ring_bytes: int = 0
     ring_alignment: int = 64
+    #: Decode: keep the ring's free bytes filled with a canary and check it (kvstage.runtime.canary): a diagnostic.
+    ring_canary: bool = False
     staging_bytes: int = 64 * 2**20
     #: Prefill: writes in flight per decode peer; more wait in order (see PrefillAgent._enqueue_write).
     writes_per_peer: int = 2

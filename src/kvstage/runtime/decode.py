@@ -54,6 +54,7 @@ from kvstage.protocol import (
 from kvstage.protocol.reasons import ABORTED_BY_DECODE
 from kvstage.ring import StagingRing
 from kvstage.runtime.agent import BaseAgent, published_blocks
+from kvstage.runtime.canary import CanaryRing
 from kvstage.runtime.config import AgentConfig, AgentSnapshot, RoomOutcome
 from kvstage.runtime.copier import CopyDone
 from kvstage.transport.bootstrap import PeerRecord
@@ -180,7 +181,12 @@ class DecodeAgent(BaseAgent):
 
     def _make_endpoint(self) -> DecodeEndpoint:
         """After `_setup_memory`: an engine's KV is written page to page only where it was exported."""
-        ring = StagingRing(self.config.ring_bytes, self.config.ring_alignment)
+        cfg = self.config
+        ring = (
+            CanaryRing(cfg.ring_bytes, cfg.ring_alignment, self.ring_region.tensor, self.metrics.canary_violated)
+            if cfg.ring_canary
+            else StagingRing(cfg.ring_bytes, cfg.ring_alignment)
+        )
         config = self._endpoint_config
         if self._engine_direct:
             config = replace(config, staged_only=False)

@@ -117,6 +117,10 @@ class AgentMetrics:
             "kvstage_protocol_rejected", "Messages the endpoint refused, by why", (*labels, "why"), registry=reg
         )
         self.peer_state = Gauge("kvstage_peer_state", "Entries per per-peer table", (*labels, "table"), registry=reg)
+        self.canary_violations = Counter(
+            "kvstage_ring_canary_violations", "Free ring bytes found written (ring_canary on): late writes", labels,
+            registry=reg,
+        )  # fmt: skip
         self.internal_errors = Counter(
             "kvstage_internal_errors", "Agent steps that raised unexpectedly (logged with a traceback)", labels,
             registry=reg,
@@ -150,6 +154,9 @@ class AgentMetrics:
 
     def room_failed(self, reason: str) -> None:
         self.failures.labels(*self._labels, reason).inc()
+
+    def canary_violated(self, nbytes: int) -> None:
+        self.canary_violations.labels(*self._labels).inc(nbytes)
 
     def internal_error(self) -> None:
         self.internal_errors.labels(*self._labels).inc()

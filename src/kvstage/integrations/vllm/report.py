@@ -58,6 +58,7 @@ COUNTERS = (
     "kvstage_ring_high_water_bytes",
     "kvstage_ring_live_bytes",
     "kvstage_copy_seconds_count",  # gathers (prefill) or scatters (decode): one per staged chunk and writer block
+    "kvstage_ring_canary_violations_total",
 )
 
 

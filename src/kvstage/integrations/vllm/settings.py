@@ -46,6 +46,9 @@ class ConnectorSettings:
     - `url`: this instance's OpenAI base URL as clients reach it (`http://HOST:PORT`), published with its ranks'
       bootstrap records so that `kvstage router --discover` finds it; "" publishes none (a router with static
       instance lists needs none).
+    - `ring_canary` (decode): 1 keeps the ring's free bytes filled with a canary and checks it at every
+      allocation and free; a byte found written counts as `kvstage_ring_canary_violations_total` (a write landed
+      after its room released the space). A diagnostic (tests, a deployment under suspicion); 0, off, by default.
     - `secret_file`: a file holding the deployment's shared secret (else `KVSTAGE_SECRET`, else none): every
       control frame and bootstrap request is then authenticated (docs/security.md). Needed when `host` is not a
       loopback address.
@@ -63,6 +66,7 @@ class ConnectorSettings:
     report_dir: str = ""
     secret_file: str = ""
     url: str = ""
+    ring_canary: int = 0
 
     def __post_init__(self) -> None:
         if self.url and not _is_base_url(self.url):
@@ -74,6 +78,8 @@ class ConnectorSettings:
         for name in ("ring_mib", "staging_mib"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"kvstage: {name!r} must be positive, got {getattr(self, name)!r}")
+        if self.ring_canary not in (0, 1):
+            raise ConfigError(f"kvstage: 'ring_canary' must be 0 or 1, got {self.ring_canary!r}")
         if self.chunk_tokens < 0:
             raise ConfigError(f"kvstage: 'chunk_tokens' must be 0 (automatic) or positive, got {self.chunk_tokens}")
         for name in ("room_timeout_s", "dead_after_s"):

@@ -129,6 +129,7 @@ class WorkerSide:
             control_bind=f"tcp://{s.host}:*",
             chunk_tokens=s.chunk_tokens_for(layout.page_size),
             ring_bytes=s.ring_mib << 20,
+            ring_canary=bool(s.ring_canary),
             staging_bytes=s.staging_mib << 20,
             timing=Timing(heartbeat_s=s.dead_after_s / 10, dead_after_s=s.dead_after_s),
             secret=load_secret(s.secret_file or None),
