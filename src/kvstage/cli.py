@@ -47,6 +47,12 @@ def demo(
         0, "--shared-prefix-tokens", min=0, help="Requests share a system prompt of this many tokens."
     ),
     max_tokens: int = typer.Option(16, "--max-tokens", min=1, help="Tokens to generate per request."),
+    model: str = typer.Option(
+        "llama-tiny",
+        "--model",
+        help="The tiny local model: llama-tiny (GQA) or deepseek-tiny (a DeepSeek-V2-shaped MLA model; vLLM's CPU "
+        "MLA serves it without a prefix cache, so --shared-prefix-tokens moves every token).",
+    ),
     work_dir: Annotated[
         Path | None, typer.Option("--work-dir", help="Keep the servers' logs and reports here.")
     ] = None,
@@ -66,7 +72,10 @@ def demo(
 
     from kvstage.demo.vllm import DemoOptions, print_summary
     from kvstage.demo.vllm import run_demo as run_vllm
+    from kvstage.e2e.model import MODELS
 
+    if model not in MODELS:
+        raise typer.BadParameter(f"one of {', '.join(MODELS)}", param_hint="--model")
     if shared_prefix_tokens >= prompt_tokens:
         raise typer.BadParameter("must be below --prompt-tokens", param_hint="--shared-prefix-tokens")
     options = DemoOptions(
@@ -77,6 +86,7 @@ def demo(
         prompt_tokens=prompt_tokens,
         shared_prefix_tokens=shared_prefix_tokens,
         max_tokens=max_tokens,
+        model=model,
         work_dir=work_dir,
     )
     vllm = run_vllm(options)

@@ -2,7 +2,8 @@
 
 Owns the pure arithmetic that both sides of a handoff must agree on, byte for byte:
 
-- `KVLayout`: the shape of one model's KV cache and its sizes per token, head and page.
+- `KVLayout`: the shape of one model's KV cache and its sizes per token, head and page; `latent_layout`, an MLA
+  model's latent cache as a KVLayout (one head, the latent row halved into K and V).
 - `heads_of_rank`: which global KV heads a TP rank holds.
 - `plan_head_transfers`: which prefill rank writes which heads to which decode rank.
 - `plan_staging`: where each writer's block lives inside one chunk's staging region.
@@ -99,6 +100,19 @@ class KVLayout:
     def bytes_per_page(self, num_heads: int | None = None) -> int:
         """Bytes of one page (page_size tokens) of K and V over all layers, for `num_heads` heads."""
         return self.page_size * self.bytes_per_token(num_heads)
+
+
+def latent_layout(num_layers: int, latent_dim: int, dtype: str, page_size: int) -> KVLayout:
+    """An MLA model's latent KV cache (`latent_dim = kv_lora_rank + rope_dim` elements per token and layer, the
+    same on every TP rank) as a `KVLayout`: one KV head, so the head plan replicates it (each decode rank takes it
+    whole from one prefill rank), whose K is the row's first half and V its second. Every size, staging plan and
+    copy then covers each latent row exactly once, in order."""
+    if not isinstance(latent_dim, int) or latent_dim <= 0 or latent_dim % 2:
+        raise ConfigError(
+            f"latent_dim={latent_dim!r}: an MLA latent row is moved as two halves, so it must be a positive even "
+            "number of elements (kv_lora_rank + rope_dim)"
+        )
+    return KVLayout(num_layers=num_layers, num_kv_heads=1, head_dim=latent_dim // 2, dtype=dtype, page_size=page_size)
 
 
 def _check_tp(num_kv_heads: int, tp_size: int) -> None:
@@ -332,11 +346,6 @@ def validate_staging_config(
     """Reject, at startup, every configuration that staging cannot serve; each message names the fix."""
     if attention not in ATTENTION_KINDS:
         raise ConfigError(f"attention={attention!r} is unknown; use one of {', '.join(ATTENTION_KINDS)}")
-    if attention == "mla":
-        raise ConfigError(
-            "attention='mla': MLA models do not use staging, because MLA's latent KV is identical on every TP "
-            "rank; use the direct path (disable staging) for MLA models"
-        )
     _check_chunk_tokens(chunk_tokens, page_size)
     if pp_size != 1:
         raise ConfigError(

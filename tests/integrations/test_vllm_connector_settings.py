@@ -6,11 +6,12 @@ These run without starting vLLM; the connector's behaviour with real vLLM server
 from __future__ import annotations
 
 import pytest
+import torch
 
 from kvstage.dataplane.engine_kv import KVCacheFormat
 from kvstage.errors import ConfigError
 from kvstage.integrations.vllm.settings import ConnectorSettings
-from kvstage.integrations.vllm.worker import cpu_format
+from kvstage.integrations.vllm.worker import EngineFacts, cache_format, cpu_format, mla_format
 
 
 def test_settings_take_their_types_from_the_extra_config_strings_included() -> None:
@@ -51,3 +52,43 @@ def test_the_cpu_kernels_whose_layout_kvstage_reads_map_to_the_vllm_cpu_format(i
 def test_a_cpu_kernel_with_another_cache_layout_is_refused_at_start(isa: str) -> None:
     with pytest.raises(ConfigError, match=f"'{isa}'"):
         cpu_format(isa)
+
+
+def _facts(**fields: object) -> EngineFacts:
+    return EngineFacts(producer=True, tp_size=1, rank=0, num_kv_heads=1, head_dim=576, block_size=16, **fields)  # type: ignore[arg-type]
+
+
+def test_the_amx_kernel_is_refused_naming_the_settings_that_avoid_it() -> None:
+    facts = _facts(cpu_attention_isa=lambda _dtype: "amx")
+    with pytest.raises(ConfigError, match=r"'amx'.*--dtype float32 or float16.*--block-size"):
+        cache_format(facts, torch.zeros(2, 1, 16, 128, dtype=torch.bfloat16), "CPU_ATTN")
+
+
+def test_a_cpu_attention_backend_other_than_cpu_attn_is_refused_naming_the_setting() -> None:
+    with pytest.raises(ConfigError, match=r"'FLEX_ATTENTION'.*--attention-backend CPU_ATTN"):
+        cache_format(_facts(), torch.zeros(2, 1, 16, 128), "FLEX_ATTENTION")
+
+
+def test_vllms_cpu_mla_latent_cache_is_the_vllm_mla_format() -> None:
+    latent = torch.zeros(2, 1, 16, 576)
+    assert cache_format(_facts(mla=True), latent, "CPU_MLA") is KVCacheFormat.VLLM_MLA
+    assert cache_format(_facts(mla=True, cache_dtype="fp8"), latent.to(torch.uint8), "TRITON_MLA") is (
+        KVCacheFormat.VLLM_MLA
+    )
+
+
+@pytest.mark.parametrize(
+    ("backend", "cache_dtype", "row", "named"),
+    [
+        ("AMX_MLA", "auto", 576, "'AMX_MLA'.*--attention-backend.*CPU_MLA"),
+        ("ROCM_AITER_MLA", "auto", 576, "'ROCM_AITER_MLA'.*--attention-backend"),
+        ("FLASHMLA", "fp8_ds_mla", 656, "'fp8_ds_mla'.*--kv-cache-dtype"),
+        ("TRITON_MLA", "fp8", 584, "584 elements.*--kv-cache-dtype"),
+    ],
+    ids=["amx tiles", "unchecked backend", "scales in the row", "padded row"],
+)
+def test_an_mla_cache_layout_kvstage_has_not_been_checked_against_is_refused_naming_the_setting(
+    backend: str, cache_dtype: str, row: int, named: str
+) -> None:
+    with pytest.raises(ConfigError, match=named):
+        mla_format(backend, cache_dtype, row, 576)

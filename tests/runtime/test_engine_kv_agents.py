@@ -11,7 +11,7 @@ from agent_outcomes import wait_outcomes
 from kvstage.dataplane import EngineKV, KVCacheFormat
 from kvstage.errors import ConfigError
 from kvstage.layout import KVLayout, heads_of_rank
-from kvstage.protocol import DecodeConfig, Timing
+from kvstage.protocol import Timing
 from kvstage.runtime import AgentConfig, DecodeAgent, PrefillAgent, peer_id
 from kvstage.transport.bootstrap import BootstrapServer
 
@@ -131,12 +131,6 @@ def test_rooms_move_between_engine_owned_vllm_cpu_caches_bit_exact_and_leave_the
     for agent in cluster.prefill:
         assert agent.wait_quiescent(5)
         assert agent.metrics.value("kvstage_transfer_bytes_total") > 0
-
-
-def test_a_decode_rank_on_the_engines_own_kv_refuses_mla_naming_the_limit():
-    with pytest.raises(ConfigError, match="MLA rooms take the direct path only"):
-        DecodeConfig(peer_id="D/0", layout=LAYOUT, tp_size=1, rank=0, chunk_tokens=CHUNK, ring_bytes=RING,
-                     attention="mla", staged_only=True)  # fmt: skip
 
 
 def test_an_agent_refuses_engine_kv_of_another_layout():

@@ -34,7 +34,7 @@ from pathlib import Path
 import httpx
 
 from kvstage.demo.summary import summary_table
-from kvstage.e2e.model import TinyModelSpec, build_tiny_model
+from kvstage.e2e.model import MODELS, TinyModelSpec, build_tiny_model
 from kvstage.e2e.servers import VLLMServerSpec, free_port, start_bootstrap, start_router, start_vllm
 from kvstage.e2e.verify import check_rooms, decode_rooms, read_counters
 
@@ -53,6 +53,7 @@ class DemoOptions:
     max_tokens: int = 16
     concurrency: int = 4
     seed: int = 1
+    model: str = "llama-tiny"  # a name of kvstage.e2e.model.MODELS
     work_dir: Path | None = None  # logs and reports; a temporary folder (removed) when None
 
 
@@ -121,8 +122,8 @@ def run_demo(options: DemoOptions = DemoOptions(), *, quiet: bool = False) -> De
     with contextlib.ExitStack() as stack:
         work = options.work_dir or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvstage-demo-")))
         reports = work / "reports"
-        spec = TinyModelSpec()
-        with stage("building the tiny model (cached after the first run)"):
+        spec = MODELS[options.model]
+        with stage(f"building the tiny model {options.model} (cached after the first run)"):
             model = build_tiny_model(spec)
         logs = work / "logs"
         bootstrap = start_bootstrap(logs)
@@ -218,7 +219,7 @@ def _report(
     answers: list[_Answer],
     elapsed: float,
 ) -> DemoReport:
-    check = check_rooms(folder, num_layers=spec.num_layers, num_kv_heads=spec.num_kv_heads)
+    check = check_rooms(folder, num_layers=spec.num_layers, num_kv_heads=spec.kv_heads)
     counters = read_counters(folder)
     problems = [f"room {room}: {why}" for room, why in sorted(check.mismatched.items())]
     failed = [a.error for a in answers if a.error]
@@ -230,7 +231,6 @@ def _report(
     verified = min(len(check.verified), len(answers) - len(failed) - len(token_mismatch))
     kv_bytes = sum(int(c["kvstage_transfer_bytes_total"]) for (role, _), c in counters.items() if role == "prefill")
     busy = max((c["kvstage_transfer_busy_seconds_total"] for c in counters.values()), default=0.0)
-    token_bytes = spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * 4
     room_failures = sum(int(c["kvstage_room_failures_total"]) for c in counters.values())
     ttfts = [a.ttft_s * 1000 for a in answers if not a.error]
     return DemoReport(
@@ -240,7 +240,7 @@ def _report(
         failed=len(failed) + room_failures,
         leaked_bytes=sum(int(c["kvstage_ring_live_bytes"]) for c in counters.values()),
         kv_bytes=kv_bytes,
-        prefix_bytes_saved=sum(check.prefix_tokens.values()) * token_bytes,
+        prefix_bytes_saved=sum(check.prefix_tokens.values()) * spec.kv_bytes_per_token,
         transfer_gbps=kv_bytes / busy / 1e9 if busy else 0.0,
         ttft_p50_ms=_percentile(ttfts, 50),
         ttft_p99_ms=_percentile(ttfts, 99),
@@ -269,7 +269,7 @@ def print_summary(report: DemoReport, options: DemoOptions) -> None:
         ("ring high water", f"{report.ring_high_water_bytes:,} B"),
     ]
     console = Console()
-    title = f"kvstage demo: vLLM prefill TP={options.prefill_tp} -> decode TP={options.decode_tp}"
+    title = f"kvstage demo ({options.model}): vLLM prefill TP={options.prefill_tp} -> decode TP={options.decode_tp}"
     console.print(summary_table(rows, title))
     for problem in report.problems:
         console.print(f"[red]{problem}[/red]")

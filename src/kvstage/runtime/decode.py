@@ -121,6 +121,7 @@ class DecodeAgent(BaseAgent):
             chunk_tokens=cfg.chunk_tokens,
             ring_bytes=cfg.ring_bytes,
             ring_alignment=cfg.ring_alignment,
+            attention=cfg.attention,
             timing=cfg.timing,
             limits=cfg.limits,
             staged_only=isinstance(self.pool, EngineKV),  # the direct path writes into a KVPool only
