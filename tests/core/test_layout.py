@@ -17,6 +17,7 @@ from kvstage.layout import (
     pages_for,
     plan_head_transfers,
     plan_staging,
+    replica_turn,
     validate_staging_config,
 )
 
@@ -139,6 +140,30 @@ def test_worked_example_fan_out_h2_p1_d4() -> None:
 def test_replicated_writers_are_spread_round_robin() -> None:
     # H=2, P=4, D=4: head 0 lives on prefill ranks 0,1 and decode ranks 0,1 need it.
     assert [t.prefill_rank for t in plan_head_transfers(2, 4, 4)] == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 1), (4, 1), (4, 2), (8, 2), (1, 2)])
+def test_rooms_spread_an_mla_latent_over_every_prefill_rank_by_their_turn(prefill_tp: int, decode_tp: int) -> None:
+    writers: dict[int, int] = {}
+    for room in range(1, 4 * prefill_tp + 1):
+        plan = plan_head_transfers(1, prefill_tp, decode_tp, replica_turn(room, prefill_tp))
+        assert [t.decode_rank for t in plan] == list(range(decode_tp))  # each decode rank: one writer, whole head
+        for t in plan:
+            writers[t.prefill_rank] = writers.get(t.prefill_rank, 0) + 1
+    assert sorted(writers) == list(range(prefill_tp))  # every prefill rank writes some rooms
+    assert len(set(writers.values())) == 1  # and all as many
+
+
+@pytest.mark.parametrize("turn", range(8))
+@pytest.mark.parametrize(("num_heads", "prefill_tp", "decode_tp"), [(2, 4, 1), (2, 8, 4), (4, 8, 16), (1, 8, 3)])
+def test_every_turn_writes_each_decode_head_once_from_a_replica_that_holds_it(
+    num_heads: int, prefill_tp: int, decode_tp: int, turn: int
+) -> None:
+    for d in range(decode_tp):
+        plan = [t for t in plan_head_transfers(num_heads, prefill_tp, decode_tp, turn) if t.decode_rank == d]
+        written = [heads_of_rank(num_heads, prefill_tp, t.prefill_rank)[t.src_head_start + i]
+                   for t in plan for i in range(t.num_heads)]  # fmt: skip
+        assert written == list(heads_of_rank(num_heads, decode_tp, d))
 
 
 LAYOUT = KVLayout(num_layers=3, num_kv_heads=8, head_dim=4, dtype="bfloat16", page_size=16)

@@ -3,11 +3,12 @@ the end-to-end tests of this folder: a bootstrap service, prefill instances P2 (
 instances D1 (TP=1) and D2 (TP=2), and one kvstage router per set of instances under test.
 
 Servers start once per session, together (about 2-4 min on 2 cores); so does PS, a prefill instance (TP=1) with
-a tiny KV cache, when a collected test asks for it (the `small_prefill` fixture). A test may add a server of its
-own (`Cluster.start`), which lives until the session ends or a test kills it. The tests that kill an instance
-(or may leave one dead) are named `test_z...`: they run after every other test of this folder, in the order of
-their names, whatever module they are in (`pytest_collection_modifyitems` below), and take only the instances they
-kill.
+a tiny KV cache, when a collected test asks for it (the `small_prefill` fixture), and so do MP2 and MD1, an MLA
+pair (prefill TP=2, decode TP=1) serving the tiny DeepSeek-V2 model, when one asks for them (`mla_pair`). A test
+may add a server of its own (`Cluster.start`), which lives until the session ends or a test kills it. The tests
+that kill an instance (or may leave one dead) are named `test_z...`: they run after every other test of this
+folder, in the order of their names, whatever module they are in (`pytest_collection_modifyitems` below), and take
+only the instances they kill.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any
 import httpx
 import pytest
 
-from kvstage.e2e.model import TinyModelSpec, build_tiny_model
+from kvstage.e2e.model import MODELS, TinyModelSpec, build_tiny_model
 from kvstage.e2e.servers import ManagedProcess, VLLMServerSpec, free_port, start_bootstrap, start_router, start_vllm
 
 #: Rooms of the test servers end within this many seconds. A rank silent for DEAD_AFTER_S is dead, sooner than
@@ -43,6 +44,10 @@ SMALL_PREFILL_SPEC: dict[str, Any] = {
         *("--long-prefill-token-threshold", "32"),
     ),
 }
+
+#: The MLA pair (tiny DeepSeek-V2, vLLM's CPU MLA backend): prefill TP=2 and decode TP=1, reporting into a folder
+#: of their own (their rooms carry one latent head).
+MLA_PAIR = {"MP2": ("prefill", 2), "MD1": ("decode", 1)}
 
 #: The cluster's servers are ready within this, or the session fails.
 START_TIMEOUT_S = 600.0
@@ -95,9 +100,23 @@ class Cluster:
     def spec_for(self, name: str, role: str, tp: int, **fields: Any) -> VLLMServerSpec:
         """A server of the cluster's kind (its model, bootstrap, reports and room timing), on a free port, with
         `VLLMServerSpec` fields changed by `fields`."""
-        values: dict[str, Any] = {"report_dir": str(self.reports), "dev_mode": True, "extra_config": EXTRA_CONFIG}
+        values: dict[str, Any] = {
+            "model": self.model,
+            "report_dir": str(self.reports),
+            "dev_mode": True,
+            "extra_config": EXTRA_CONFIG,
+        }
         values.update(fields)
-        return VLLMServerSpec(role, name, tp, free_port(), self.model, self.bootstrap.url, **values)
+        return VLLMServerSpec(role, name, tp, free_port(), bootstrap=self.bootstrap.url, **values)
+
+    def mla_spec(self, name: str, role: str, tp: int) -> VLLMServerSpec:
+        """A server of the tiny DeepSeek-V2 (MLA) model, reporting into `mla_reports`."""
+        model = build_tiny_model(MODELS["deepseek-tiny"], self.model.parent.parent)
+        return self.spec_for(name, role, tp, model=model, report_dir=str(self.mla_reports))
+
+    @property
+    def mla_reports(self) -> Path:
+        return self.reports / "mla"
 
     def start(self, name: str, role: str, tp: int, **fields: Any) -> None:
         """Start one more server (`spec_for`) and wait until it serves. It stops with the cluster."""
@@ -150,7 +169,11 @@ def cluster(
         layout[SMALL_PREFILL] = ("prefill", 1, SMALL_PREFILL_SPEC)  # it starts with the others, not on its own
     for name, (role, tp, fields) in layout.items():
         cluster.specs[name] = cluster.spec_for(name, role, tp, **fields)
-        cluster.procs[name] = start_vllm(cluster.specs[name], logs)
+    if any("mla_pair" in getattr(item, "fixturenames", ()) for item in request.session.items):
+        for name, (role, tp) in MLA_PAIR.items():
+            cluster.specs[name] = cluster.mla_spec(name, role, tp)
+    for name, spec in cluster.specs.items():
+        cluster.procs[name] = start_vllm(spec, logs)
     try:
         deadline = time.monotonic() + START_TIMEOUT_S
         for proc in cluster.procs.values():
@@ -159,6 +182,18 @@ def cluster(
     finally:
         for proc in [*cluster.routers.values(), *cluster.procs.values(), bootstrap]:
             proc.stop()
+
+
+@pytest.fixture(scope="session")
+def mla_pair(cluster: Cluster) -> tuple[str, str]:
+    """The MLA pair's (prefill, decode) names (MLA_PAIR), started with the cluster when a collected test asks."""
+    for name, (role, tp) in MLA_PAIR.items():
+        if name not in cluster.specs:
+            cluster.specs[name] = cluster.mla_spec(name, role, tp)
+            cluster.procs[name] = start_vllm(cluster.specs[name], cluster.logs)
+    for name in MLA_PAIR:
+        cluster.procs[name].wait_ready(START_TIMEOUT_S)
+    return "MP2", "MD1"
 
 
 @pytest.fixture(scope="session")

@@ -625,9 +625,9 @@ def test_peer_table_is_capped() -> None:
 
 
 def test_request_from_a_prefill_rank_that_writes_nothing_here_is_refused() -> None:
-    pump = make_pump(heads=2, prefill_tp=4, decode_tp=1)  # d0's writers are p0 and p2
-    expect(pump, 1, 16)
-    actions = inject(pump, "d0", "p1", StagingRequest(room=1, chunk=0))
+    pump = make_pump(heads=2, prefill_tp=4, decode_tp=1)  # room 4 (turn 0): d0's writers are p0 and p2
+    expect(pump, 4, 16)
+    actions = inject(pump, "d0", "p1", StagingRequest(room=4, chunk=0))
     assert sent(actions, GrantRefused)[0].reason == reasons.PROTOCOL_VIOLATION
     assert decode(pump).ring.num_live == 0
 

@@ -20,7 +20,7 @@ grants are checked for chunk range and region size; unknown rooms allocate nothi
 from __future__ import annotations
 
 from kvstage.errors import ConfigError, InvalidRequest
-from kvstage.layout import WriterBlock, pages_for
+from kvstage.layout import WriterBlock, pages_for, replica_turn
 from kvstage.protocol import reasons
 from kvstage.protocol.actions import RoomFailed, RoomSucceeded, WriteDirect, WriteRegion
 from kvstage.protocol.base import EndpointCore, Peer
@@ -128,7 +128,8 @@ class PrefillEndpoint(EndpointCore):
         if event.num_tokens < 1:
             raise InvalidRequest(f"room {event.room}: num_tokens must be positive, got {event.num_tokens}")
         try:
-            targets = transfers_of_writer(cfg.layout.num_kv_heads, cfg.tp_size, event.decode_tp, cfg.rank)
+            turn = replica_turn(event.room, cfg.tp_size)
+            targets = transfers_of_writer(cfg.layout.num_kv_heads, cfg.tp_size, event.decode_tp, cfg.rank, turn)
         except ConfigError as exc:
             raise InvalidRequest(f"room {event.room}: decode_tp={event.decode_tp} is unusable: {exc}") from exc
         self.stats.rooms_opened += 1
