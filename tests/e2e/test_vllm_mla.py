@@ -6,9 +6,6 @@ The P2 -> D1 pair starts with the session cluster (`mla_pair`); P1 -> D2 starts 
 
 from __future__ import annotations
 
-import time
-from pathlib import Path
-
 import pytest
 
 from kvstage.e2e.model import MODELS
@@ -16,17 +13,9 @@ from kvstage.e2e.servers import start_vllm
 from kvstage.e2e.verify import check_rooms, decode_rooms, read_counters
 
 from .conftest import START_TIMEOUT_S, Cluster
-from .test_vllm_e2e import complete, prompt_ids
+from .test_vllm_e2e import complete, prompt_ids, wait_new_rooms
 
 SPEC = MODELS["deepseek-tiny"]
-
-
-def _new_rooms(folder: Path, before: set[int], count: int, timeout_s: float = 30.0) -> set[int]:
-    deadline = time.monotonic() + timeout_s
-    while len(new := decode_rooms(folder) - before) < count and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert len(new) >= count, f"decode reported {len(new)} new rooms, expected {count}"
-    return new
 
 
 def _handoffs_are_verified(cluster: Cluster, prefill: str, decode: str) -> None:
@@ -34,7 +23,7 @@ def _handoffs_are_verified(cluster: Cluster, prefill: str, decode: str) -> None:
     prompts = [prompt_ids(seed, 200 + 37 * seed) for seed in range(3)]
     before = decode_rooms(cluster.mla_reports)
     got = [complete(url, p) for p in prompts]
-    rooms = _new_rooms(cluster.mla_reports, before, len(prompts))
+    rooms = wait_new_rooms(cluster, before, len(prompts), folder=cluster.mla_reports)
     check = check_rooms(cluster.mla_reports, num_layers=SPEC.num_layers, num_kv_heads=SPEC.kv_heads)
     assert not {r: check.mismatched[r] for r in rooms if r in check.mismatched}
     assert rooms <= check.verified
