@@ -1,4 +1,5 @@
-"""The vLLM connector's settings and start-up checks: a bad deployment file fails at start, naming what is wrong.
+"""The vLLM connector's settings and start-up checks: a bad deployment file, or a cache layout kvstage has not been
+checked against, fails at start, naming what is wrong and the setting that avoids it.
 
 These run without starting vLLM; the connector's behaviour with real vLLM servers is in tests/e2e.
 """
@@ -11,7 +12,9 @@ import torch
 from kvstage.dataplane.engine_kv import KVCacheFormat
 from kvstage.errors import ConfigError
 from kvstage.integrations.vllm.settings import ConnectorSettings
-from kvstage.integrations.vllm.worker import EngineFacts, cache_format, cpu_format, mla_format
+from kvstage.integrations.vllm.worker import EngineFacts, WorkerSide, cache_format, cpu_format, mla_format
+from kvstage.layout import latent_layout
+from kvstage.transport.bootstrap import BootstrapServer
 
 
 def test_settings_take_their_types_from_the_extra_config_strings_included() -> None:
@@ -92,3 +95,20 @@ def test_an_mla_cache_layout_kvstage_has_not_been_checked_against_is_refused_nam
 ) -> None:
     with pytest.raises(ConfigError, match=named):
         mla_format(backend, cache_dtype, row, 576)
+
+
+@pytest.mark.parametrize("producer", [True, False], ids=["prefill", "decode"])
+def test_an_mla_engines_worker_serves_its_latent_cache_as_one_replicated_head(producer: bool) -> None:
+    bootstrap = BootstrapServer().start()
+    settings = ConnectorSettings(instance="M", bootstrap=bootstrap.address)
+    facts = EngineFacts(producer, tp_size=2, rank=1, num_kv_heads=1, head_dim=576, block_size=16, mla=True,
+                        attention_backend=lambda _layers: "CPU_MLA")  # fmt: skip
+    worker = WorkerSide(settings, facts)
+    try:
+        worker.register_kv_caches({f"model.layers.{i}.self_attn.attn": torch.zeros(8, 1, 16, 576) for i in range(3)})
+        agent = worker._require_agent()
+        assert agent.config.layout == latent_layout(3, 576, "float32", 16)
+        assert agent.config.attention == "mla"
+    finally:
+        worker.shutdown()
+        bootstrap.close()
