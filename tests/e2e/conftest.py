@@ -165,11 +165,11 @@ def cluster(
         "D1": ("decode", 1, {}),
         "D2": ("decode", 2, {}),
     }
-    if any("small_prefill" in getattr(item, "fixturenames", ()) for item in request.session.items):
+    if _asked_for(request, "small_prefill"):
         layout[SMALL_PREFILL] = ("prefill", 1, SMALL_PREFILL_SPEC)  # it starts with the others, not on its own
     for name, (role, tp, fields) in layout.items():
         cluster.specs[name] = cluster.spec_for(name, role, tp, **fields)
-    if any("mla_pair" in getattr(item, "fixturenames", ()) for item in request.session.items):
+    if _asked_for(request, "mla_pair"):
         for name, (role, tp) in MLA_PAIR.items():
             cluster.specs[name] = cluster.mla_spec(name, role, tp)
     for name, spec in cluster.specs.items():
@@ -182,6 +182,14 @@ def cluster(
     finally:
         for proc in [*cluster.routers.values(), *cluster.procs.values(), bootstrap]:
             proc.stop()
+
+
+def _asked_for(request: pytest.FixtureRequest, fixture: str) -> bool:
+    """Whether a test of the session that will run (not skipped: slow ones without --run-slow) uses `fixture`."""
+    return any(
+        fixture in getattr(item, "fixturenames", ()) and item.get_closest_marker("skip") is None
+        for item in request.session.items
+    )
 
 
 @pytest.fixture(scope="session")
