@@ -35,7 +35,7 @@ def _handoffs_are_verified(cluster: Cluster, prefill: str, decode: str) -> None:
     assert got == [complete(cluster.url(decode), p) for p in prompts]
 
 
-@pytest.mark.slow  # two more vLLM servers (three worker processes) start with the cluster: over a minute on 2 cores
+@pytest.mark.slow  # two more vLLM servers start with the cluster (an MLA pair alone: 53-183 s to start on 2 cores)
 def test_an_mla_models_latent_kv_goes_from_prefill_tp2_to_decode_tp1_bit_exact_with_the_same_tokens(
     cluster: Cluster, mla_pair: tuple[str, str]
 ) -> None:
