@@ -1,7 +1,7 @@
 """An MLA model (the tiny DeepSeek-V2, vLLM's CPU MLA backend) between real vLLM servers: its latent cache, one
 head every TP rank holds whole, goes from one prefill rank to each decode rank. A request is right when the latent
 rows decode received are bit-exact against prefill's and its greedy tokens equal a single-instance run on decode.
-Both are slow (--run-slow): the P2 -> D1 pair starts with the session cluster (`mla_pair`), P1 -> D2 starts a
+Both are slow (--run-slow): the P2 -> D1 pair starts after the session cluster (`mla_pair`), P1 -> D2 starts a
 pair of its own. The default suite covers the MLA path below vLLM's servers: tests/runtime/test_mla_engine_kv.py
 (agents over vLLM-shaped latent caches) and tests/dataplane/test_engine_kv_vllm_mla.py (vLLM's own latent write).
 """
@@ -35,7 +35,7 @@ def _handoffs_are_verified(cluster: Cluster, prefill: str, decode: str) -> None:
     assert got == [complete(cluster.url(decode), p) for p in prompts]
 
 
-@pytest.mark.slow  # two more vLLM servers start with the cluster (an MLA pair alone: 53-183 s to start on 2 cores)
+@pytest.mark.slow  # two more vLLM servers (an MLA pair alone: 53-183 s to start on 2 cores)
 def test_an_mla_models_latent_kv_goes_from_prefill_tp2_to_decode_tp1_bit_exact_with_the_same_tokens(
     cluster: Cluster, mla_pair: tuple[str, str]
 ) -> None:
