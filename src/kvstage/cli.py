@@ -55,6 +55,12 @@ def demo(
         help="1: all on this host's loopback. 3: prefill, decode, and bootstrap+router each on a host of its own "
         "(network namespaces joined by veth links; needs root).",
     ),
+    model: str = typer.Option(
+        "llama-tiny",
+        "--model",
+        help="The tiny local model: llama-tiny (GQA) or deepseek-tiny (a DeepSeek-V2-shaped MLA model; vLLM's CPU "
+        "MLA serves it without a prefix cache, so --shared-prefix-tokens moves every token).",
+    ),
     work_dir: Annotated[
         Path | None, typer.Option("--work-dir", help="Keep the servers' logs and reports here.")
     ] = None,
@@ -81,11 +87,14 @@ def demo(
 
     from kvstage.demo.vllm import DemoOptions, print_summary
     from kvstage.demo.vllm import run_demo as run_vllm
+    from kvstage.e2e.model import MODELS
 
     if hosts == 2:
         raise typer.BadParameter("1 or 3", param_hint="--hosts")
     if hosts == 3 and backend == "local":
         raise typer.BadParameter("local moves KV within one host: use mooncake or nixl", param_hint="--backend")
+    if model not in MODELS:
+        raise typer.BadParameter(f"one of {', '.join(MODELS)}", param_hint="--model")
     if shared_prefix_tokens >= prompt_tokens:
         raise typer.BadParameter("must be below --prompt-tokens", param_hint="--shared-prefix-tokens")
     options = DemoOptions(
@@ -96,6 +105,7 @@ def demo(
         prompt_tokens=prompt_tokens,
         shared_prefix_tokens=shared_prefix_tokens,
         max_tokens=max_tokens,
+        model=model,
         work_dir=work_dir,
         bootstrap=bootstrap,
         hosts=hosts,

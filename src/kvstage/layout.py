@@ -2,9 +2,11 @@
 
 Owns the pure arithmetic that both sides of a handoff must agree on, byte for byte:
 
-- `KVLayout`: the shape of one model's KV cache and its sizes per token, head and page.
+- `KVLayout`: the shape of one model's KV cache and its sizes per token, head and page; `latent_layout`, an MLA
+  model's latent cache as a KVLayout (one head, the latent row halved into K and V).
 - `heads_of_rank`: which global KV heads a TP rank holds.
-- `plan_head_transfers`: which prefill rank writes which heads to which decode rank.
+- `plan_head_transfers`: which prefill rank writes which heads to which decode rank; `replica_turn`, where a
+  room's decode ranks start among a replicated head's prefill replicas.
 - `plan_staging`: where each writer's block lives inside one chunk's staging region.
 - `ChunkGrid`: how a prompt's uncached suffix is cut into chunks aligned to the cached prefix, and which of a
   room's pages hold a token range (`ceil_div`, `pages_for`, `page_slice`). The one home of this arithmetic: both
@@ -101,6 +103,19 @@ class KVLayout:
         return self.page_size * self.bytes_per_token(num_heads)
 
 
+def latent_layout(num_layers: int, latent_dim: int, dtype: str, page_size: int) -> KVLayout:
+    """An MLA model's latent KV cache (`latent_dim = kv_lora_rank + rope_dim` elements per token and layer, the
+    same on every TP rank) as a `KVLayout`: one KV head, so the head plan replicates it (each decode rank takes it
+    whole from one prefill rank), whose K is the row's first half and V its second. Every size, staging plan and
+    copy then covers each latent row exactly once, in order."""
+    if not isinstance(latent_dim, int) or latent_dim <= 0 or latent_dim % 2:
+        raise ConfigError(
+            f"latent_dim={latent_dim!r}: an MLA latent row is moved as two halves, so it must be a positive even "
+            "number of elements (kv_lora_rank + rope_dim)"
+        )
+    return KVLayout(num_layers=num_layers, num_kv_heads=1, head_dim=latent_dim // 2, dtype=dtype, page_size=page_size)
+
+
 def _check_tp(num_kv_heads: int, tp_size: int) -> None:
     _require_positive("num_kv_heads", num_kv_heads)
     _require_positive("tp_size", tp_size)
@@ -158,12 +173,19 @@ class HeadTransfer:
     num_heads: int
 
 
-def plan_head_transfers(num_kv_heads: int, prefill_tp: int, decode_tp: int) -> tuple[HeadTransfer, ...]:
+def replica_turn(room: int, prefill_tp: int) -> int:
+    """The turn of `room` among replicated heads' prefill replicas: consecutive rooms start one replica further,
+    so that rooms spread over every replica (an MLA latent over every prefill rank) even when fewer decode ranks
+    need it. Both sides compute it from the room id; it is below `prefill_tp`, so plans keyed by it stay few."""
+    return room % prefill_tp
+
+
+def plan_head_transfers(num_kv_heads: int, prefill_tp: int, decode_tp: int, turn: int = 0) -> tuple[HeadTransfer, ...]:
     """Every (prefill rank -> decode rank) head run of a handoff, ordered by decode rank then head.
 
     Each global head of each decode rank is written exactly once, by a prefill rank that holds it. When a head
-    has several prefill replicas, the decode ranks needing it take the replicas round robin. Contiguous runs
-    from the same writer are merged.
+    has several prefill replicas, the decode ranks needing it take the replicas round robin, starting `turn`
+    replicas along (`replica_turn`). Contiguous runs from the same writer are merged.
     """
     transfers: list[HeadTransfer] = []
     for decode_rank in range(decode_tp):
@@ -172,7 +194,7 @@ def plan_head_transfers(num_kv_heads: int, prefill_tp: int, decode_tp: int) -> t
         for dst_local, head in enumerate(dst_heads):
             needing = replicas_of_head(num_kv_heads, decode_tp, head)
             writers = replicas_of_head(num_kv_heads, prefill_tp, head)
-            writer = writers[(decode_rank - needing.start) % len(writers)]
+            writer = writers[(decode_rank - needing.start + turn) % len(writers)]
             src_local = head - heads_of_rank(num_kv_heads, prefill_tp, writer).start
             if (
                 run is not None
@@ -234,13 +256,15 @@ class StagingPlan:
         raise InvalidRequest(f"prefill rank {prefill_rank} writes nothing to decode rank {self.decode_rank}")
 
 
-def plan_staging(layout: KVLayout, prefill_tp: int, decode_tp: int, decode_rank: int, num_tokens: int) -> StagingPlan:
-    """Ordered writer blocks of one chunk of `num_tokens` tokens destined for `decode_rank`."""
+def plan_staging(
+    layout: KVLayout, prefill_tp: int, decode_tp: int, decode_rank: int, num_tokens: int, turn: int = 0
+) -> StagingPlan:
+    """Ordered writer blocks of one chunk of `num_tokens` tokens destined for `decode_rank`, in a room of `turn`."""
     if not isinstance(num_tokens, int) or num_tokens <= 0:
         raise InvalidRequest(f"num_tokens must be a positive integer, got {num_tokens!r}")
     heads_of_rank(layout.num_kv_heads, decode_tp, decode_rank)  # validates decode_rank
     transfers = [
-        t for t in plan_head_transfers(layout.num_kv_heads, prefill_tp, decode_tp) if t.decode_rank == decode_rank
+        t for t in plan_head_transfers(layout.num_kv_heads, prefill_tp, decode_tp, turn) if t.decode_rank == decode_rank
     ]
     transfers.sort(key=lambda t: t.prefill_rank)
     blocks: list[WriterBlock] = []
@@ -332,11 +356,6 @@ def validate_staging_config(
     """Reject, at startup, every configuration that staging cannot serve; each message names the fix."""
     if attention not in ATTENTION_KINDS:
         raise ConfigError(f"attention={attention!r} is unknown; use one of {', '.join(ATTENTION_KINDS)}")
-    if attention == "mla":
-        raise ConfigError(
-            "attention='mla': MLA models do not use staging, because MLA's latent KV is identical on every TP "
-            "rank; use the direct path (disable staging) for MLA models"
-        )
     _check_chunk_tokens(chunk_tokens, page_size)
     if pp_size != 1:
         raise ConfigError(

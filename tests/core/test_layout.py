@@ -17,6 +17,7 @@ from kvstage.layout import (
     pages_for,
     plan_head_transfers,
     plan_staging,
+    replica_turn,
     validate_staging_config,
 )
 
@@ -141,6 +142,30 @@ def test_replicated_writers_are_spread_round_robin() -> None:
     assert [t.prefill_rank for t in plan_head_transfers(2, 4, 4)] == [0, 1, 2, 3]
 
 
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 1), (4, 1), (4, 2), (8, 2), (1, 2)])
+def test_rooms_spread_an_mla_latent_over_every_prefill_rank_by_their_turn(prefill_tp: int, decode_tp: int) -> None:
+    writers: dict[int, int] = {}
+    for room in range(1, 4 * prefill_tp + 1):
+        plan = plan_head_transfers(1, prefill_tp, decode_tp, replica_turn(room, prefill_tp))
+        assert [t.decode_rank for t in plan] == list(range(decode_tp))  # each decode rank: one writer, whole head
+        for t in plan:
+            writers[t.prefill_rank] = writers.get(t.prefill_rank, 0) + 1
+    assert sorted(writers) == list(range(prefill_tp))  # every prefill rank writes some rooms
+    assert len(set(writers.values())) == 1  # and all as many
+
+
+@pytest.mark.parametrize("turn", range(8))
+@pytest.mark.parametrize(("num_heads", "prefill_tp", "decode_tp"), [(2, 4, 1), (2, 8, 4), (4, 8, 16), (1, 8, 3)])
+def test_every_turn_writes_each_decode_head_once_from_a_replica_that_holds_it(
+    num_heads: int, prefill_tp: int, decode_tp: int, turn: int
+) -> None:
+    for d in range(decode_tp):
+        plan = [t for t in plan_head_transfers(num_heads, prefill_tp, decode_tp, turn) if t.decode_rank == d]
+        written = [heads_of_rank(num_heads, prefill_tp, t.prefill_rank)[t.src_head_start + i]
+                   for t in plan for i in range(t.num_heads)]  # fmt: skip
+        assert written == list(heads_of_rank(num_heads, decode_tp, d))
+
+
 LAYOUT = KVLayout(num_layers=3, num_kv_heads=8, head_dim=4, dtype="bfloat16", page_size=16)
 
 
@@ -222,8 +247,7 @@ def test_chunk_grid_rejects_unaligned_prefix_and_empty_suffix(num_tokens: int, p
 
 def test_chunk_grid_serves_mla_and_rejects_only_a_chunk_size_off_the_page_grid() -> None:
     validate_staging_config(chunk_tokens=32, page_size=16)
-    with pytest.raises(ConfigError, match="MLA"):
-        validate_staging_config(chunk_tokens=32, page_size=16, attention="mla")
+    validate_staging_config(chunk_tokens=32, page_size=16, attention="mla")  # MLA stages too (an engine's own KV)
     assert ChunkGrid(chunk_tokens=32, page_size=16).num_chunks(100) == 4  # the direct path (and MLA) use it too
     with pytest.raises(ConfigError, match="positive multiple of page_size=16"):
         ChunkGrid(chunk_tokens=40, page_size=16)
@@ -257,7 +281,7 @@ def test_chunk_index_outside_the_grid_is_rejected() -> None:
         ({"chunk_tokens": 40, "page_size": 16}, ("chunk_tokens", "page_size")),
         ({"chunk_tokens": 32, "page_size": 16, "pp_size": 2}, ("pipeline parallelism",)),
         ({"chunk_tokens": 32, "page_size": 16, "context_parallel": True}, ("context parallelism",)),
-        ({"chunk_tokens": 32, "page_size": 16, "attention": "mla"}, ("MLA", "identical on every")),
+        ({"chunk_tokens": 40, "page_size": 16, "attention": "mla"}, ("chunk_tokens", "page_size")),
         ({"chunk_tokens": 32, "page_size": 16, "attention": "linear"}, ("attention",)),
     ],
 )

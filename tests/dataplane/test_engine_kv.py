@@ -21,7 +21,9 @@ from kvstage.dataplane import EngineKV, KVCacheFormat, KVPool, gather, gather_bl
 from kvstage.errors import ConfigError, InvalidRequest
 from kvstage.layout import ChunkGrid, KVLayout, heads_of_rank, plan_staging
 
-FORMATS = tuple(KVCacheFormat)
+#: Multi-head formats; MLA's latent (`vllm_mla`, one head on every rank) has tests of its own
+#: (tests/dataplane/test_engine_kv_vllm_mla.py, tests/dataplane/test_mla_engine_kv.py).
+FORMATS = tuple(f for f in KVCacheFormat if f is not KVCacheFormat.VLLM_MLA)
 DTYPES = ("float32", "bfloat16", "float16", "float8_e4m3fn")
 TP_PAIRS = {"fan-in": (4, 4, 2), "fan-out": (4, 1, 2), "replicated heads": (2, 4, 8), "equal": (4, 2, 2)}
 PAGE_SIZES = (1, 16, 128)

@@ -4,10 +4,13 @@ instances D1 (TP=1) and D2 (TP=2), and one kvstage router per set of instances u
 
 Servers start once per session, together (about 2-4 min on 2 cores); so does PS, a prefill instance (TP=1) with a
 tiny KV cache, when a collected test asks for it (the `small_prefill` fixture), and so does D32, a decode instance
-(TP=1) of 32-token blocks against the others' 128 (the `small_blocks` fixture). A test may add a server of its own
-(`Cluster.start`), which lives until the session ends or a test kills it. The tests that kill an instance (or may
-leave one dead) are named `test_z...`: they run after every other test of this folder, in the order of their names,
-whatever module they are in (`pytest_collection_modifyitems` below), and take only the instances they kill.
+(TP=1) of 32-token blocks against the others' 128 (the `small_blocks` fixture). MP2 and MD1, an MLA pair (prefill
+TP=2, decode TP=1) serving the tiny DeepSeek-V2 model, start once the cluster is up, when a test asks for them
+(`mla_pair`): started with it, seven servers on 2 cores missed the 600 s start bound. A test may add a server of
+its own (`Cluster.start`), which lives until the session ends or a test kills it. The tests that kill an instance
+(or may leave one dead) are named `test_z...`: they run after every other test of this folder, in the order of
+their names, whatever module they are in (`pytest_collection_modifyitems` below), and take only the instances they
+kill.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from typing import Any
 import httpx
 import pytest
 
-from kvstage.e2e.model import TinyModelSpec, build_tiny_model
+from kvstage.e2e.model import MODELS, TinyModelSpec, build_tiny_model
 from kvstage.e2e.servers import ManagedProcess, VLLMServerSpec, free_port, start_bootstrap, start_router, start_vllm
 
 #: Rooms of the test servers end within this many seconds. A rank silent for DEAD_AFTER_S is dead, sooner than
@@ -50,6 +53,10 @@ SMALL_PREFILL_SPEC: dict[str, Any] = {
 BLOCKS_OF_32: dict[str, Any] = {"extra_args": ("--block-size", "32")}
 SMALL_BLOCKS: dict[str, tuple[str, int, dict[str, Any]]] = {"D32": ("decode", 1, BLOCKS_OF_32)}
 SMALL_BLOCKS_PREFILL: tuple[str, str, int, dict[str, Any]] = ("P32", "prefill", 1, BLOCKS_OF_32)
+
+#: The MLA pair (tiny DeepSeek-V2, vLLM's CPU MLA backend): prefill TP=2 and decode TP=1, reporting into a folder
+#: of their own (their rooms carry one latent head).
+MLA_PAIR = {"MP2": ("prefill", 2), "MD1": ("decode", 1)}
 
 #: The cluster's servers are ready within this, or the session fails.
 START_TIMEOUT_S = 600.0
@@ -102,9 +109,23 @@ class Cluster:
     def spec_for(self, name: str, role: str, tp: int, **fields: Any) -> VLLMServerSpec:
         """A server of the cluster's kind (its model, bootstrap, reports and room timing), on a free port, with
         `VLLMServerSpec` fields changed by `fields`."""
-        values: dict[str, Any] = {"report_dir": str(self.reports), "dev_mode": True, "extra_config": EXTRA_CONFIG}
+        values: dict[str, Any] = {
+            "model": self.model,
+            "report_dir": str(self.reports),
+            "dev_mode": True,
+            "extra_config": EXTRA_CONFIG,
+        }
         values.update(fields)
-        return VLLMServerSpec(role, name, tp, free_port(), self.model, self.bootstrap.url, **values)
+        return VLLMServerSpec(role, name, tp, free_port(), bootstrap=self.bootstrap.url, **values)
+
+    def mla_spec(self, name: str, role: str, tp: int) -> VLLMServerSpec:
+        """A server of the tiny DeepSeek-V2 (MLA) model, reporting into `mla_reports`."""
+        model = build_tiny_model(MODELS["deepseek-tiny"], self.model.parent.parent)
+        return self.spec_for(name, role, tp, model=model, report_dir=str(self.mla_reports))
+
+    @property
+    def mla_reports(self) -> Path:
+        return self.reports / "mla"
 
     def start(self, name: str, role: str, tp: int, **fields: Any) -> None:
         """Start one more server (`spec_for`) and wait until it serves. It stops with the cluster."""
@@ -153,13 +174,14 @@ def cluster(
         "D1": ("decode", 1, {}),
         "D2": ("decode", 2, {}),
     }
-    if _asked_for("small_prefill", request):
+    if _asked_for(request, "small_prefill"):
         layout[SMALL_PREFILL] = ("prefill", 1, SMALL_PREFILL_SPEC)  # it starts with the others, not on its own
-    if _asked_for("small_blocks", request):
+    if _asked_for(request, "small_blocks"):
         layout.update(SMALL_BLOCKS)
     for name, (role, tp, fields) in layout.items():
         cluster.specs[name] = cluster.spec_for(name, role, tp, **fields)
-        cluster.procs[name] = start_vllm(cluster.specs[name], logs)
+    for name, spec in cluster.specs.items():
+        cluster.procs[name] = start_vllm(spec, logs)
     try:
         deadline = time.monotonic() + START_TIMEOUT_S
         for proc in cluster.procs.values():
@@ -170,9 +192,24 @@ def cluster(
             proc.stop()
 
 
-def _asked_for(fixture: str, request: pytest.FixtureRequest) -> bool:
-    """Whether a collected test uses `fixture` (its instances then start with the cluster)."""
-    return any(fixture in getattr(item, "fixturenames", ()) for item in request.session.items)
+def _asked_for(request: pytest.FixtureRequest, fixture: str) -> bool:
+    """Whether a test of the session that will run (not skipped: slow ones without --run-slow) uses `fixture`."""
+    return any(
+        fixture in getattr(item, "fixturenames", ()) and item.get_closest_marker("skip") is None
+        for item in request.session.items
+    )
+
+
+@pytest.fixture(scope="session")
+def mla_pair(cluster: Cluster) -> tuple[str, str]:
+    """The MLA pair's (prefill, decode) names (MLA_PAIR), started after the cluster when a test first asks."""
+    for name, (role, tp) in MLA_PAIR.items():
+        if name not in cluster.specs:
+            cluster.specs[name] = cluster.mla_spec(name, role, tp)
+            cluster.procs[name] = start_vllm(cluster.specs[name], cluster.logs)
+    for name in MLA_PAIR:
+        cluster.procs[name].wait_ready(START_TIMEOUT_S)
+    return "MP2", "MD1"
 
 
 @pytest.fixture(scope="session")

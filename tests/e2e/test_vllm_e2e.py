@@ -12,6 +12,7 @@ from __future__ import annotations
 import random
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -59,14 +60,18 @@ def single_instance(cluster: Cluster, decode: str, prompt: list[int] | str, *, c
     return complete(cluster.url(decode), prompt, chat=chat)
 
 
-def wait_new_rooms(cluster: Cluster, before: set[int], count: int, timeout_s: float = 30.0) -> set[int]:
+def wait_new_rooms(
+    cluster: Cluster, before: set[int], count: int, timeout_s: float = 30.0, folder: Path | None = None
+) -> set[int]:
+    """Rooms decode reported into `folder` (the cluster's reports by default) that are not in `before`."""
+    folder = folder or cluster.reports
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        new = decode_rooms(cluster.reports) - before
+        new = decode_rooms(folder) - before
         if len(new) >= count:
             return new
         time.sleep(0.1)
-    raise AssertionError(f"decode reported {len(decode_rooms(cluster.reports) - before)} new rooms, expected {count}")
+    raise AssertionError(f"decode reported {len(decode_rooms(folder) - before)} new rooms, expected {count}")
 
 
 def assert_bit_exact(cluster: Cluster, spec, rooms: set[int]) -> None:

@@ -625,9 +625,9 @@ def test_peer_table_is_capped() -> None:
 
 
 def test_request_from_a_prefill_rank_that_writes_nothing_here_is_refused() -> None:
-    pump = make_pump(heads=2, prefill_tp=4, decode_tp=1)  # d0's writers are p0 and p2
-    expect(pump, 1, 16)
-    actions = inject(pump, "d0", "p1", StagingRequest(room=1, chunk=0))
+    pump = make_pump(heads=2, prefill_tp=4, decode_tp=1)  # room 4 (turn 0): d0's writers are p0 and p2
+    expect(pump, 4, 16)
+    actions = inject(pump, "d0", "p1", StagingRequest(room=4, chunk=0))
     assert sent(actions, GrantRefused)[0].reason == reasons.PROTOCOL_VIOLATION
     assert decode(pump).ring.num_live == 0
 
@@ -752,15 +752,17 @@ def test_counters_are_exported_as_a_flat_dict() -> None:
 
 
 def test_metadata_waiting_for_attach_is_capped_in_page_ids_not_only_rooms() -> None:
-    pump = make_pump(limits=Limits(max_pending_pages=10), attention="mla")  # direct path: Metadata carries pages
+    pump = make_pump(limits=Limits(max_pending_pages=10), prefill_tp=1)  # matched TP, direct: Metadata carries pages
     answers = []
     for room in range(4):
-        answers += inject(pump, "p0", "d0", metadata(room, path="direct", pages=tuple(range(4))))
-    answers += inject(pump, "p0", "d0", metadata(1, path="direct", pages=tuple(range(4))))  # a retry still waits
+        answers += inject(pump, "p0", "d0", metadata(room, path="direct", prefill_tp=1, pages=tuple(range(4))))
+    answers += inject(
+        pump, "p0", "d0", metadata(1, path="direct", prefill_tp=1, pages=tuple(range(4)))
+    )  # a retry still waits
     assert prefill(pump).pending_metadata() == 2
     assert len(sent(answers, MetadataAck)) == 3
     assert {a.reason for a in sent(answers, Abort)} == {reasons.OVERLOADED}
     assert prefill(pump).stats.messages_rejected["pending metadata pages cap reached"] == 2
     pump.advance(11.0)  # the waiting ones expire with their ttl, and their page ids with them
-    answers = inject(pump, "p0", "d0", metadata(9, path="direct", num_tokens=32, pages=tuple(range(8))))
+    answers = inject(pump, "p0", "d0", metadata(9, path="direct", prefill_tp=1, num_tokens=32, pages=tuple(range(8))))
     assert sent(answers, MetadataAck) and prefill(pump).pending_metadata() == 1

@@ -17,7 +17,7 @@ from kvstage.dataplane import EngineKV, KVCacheFormat
 from kvstage.dataplane.engine_blocks import block_runs
 from kvstage.errors import ConfigError
 from kvstage.layout import ChunkGrid, KVLayout, heads_of_rank
-from kvstage.protocol import DecodeConfig, Timing
+from kvstage.protocol import Timing
 from kvstage.runtime import AgentConfig, DecodeAgent, PrefillAgent, peer_id
 from kvstage.transport.bootstrap import BootstrapServer
 
@@ -198,12 +198,6 @@ def test_matched_tp_rooms_between_different_block_sizes_stage(make_cluster):
     (decode,) = cluster.decode
     assert decode.wait_quiescent(5) and decode.snapshot().ring_live_bytes == 0
     assert decode.metrics.value("kvstage_ring_high_water_bytes") > 0
-
-
-def test_a_decode_rank_on_the_engines_own_kv_refuses_mla_naming_the_limit():
-    with pytest.raises(ConfigError, match="MLA rooms take the direct path only"):
-        DecodeConfig(peer_id="D/0", layout=LAYOUT, tp_size=1, rank=0, chunk_tokens=CHUNK, ring_bytes=RING,
-                     attention="mla", staged_only=True)  # fmt: skip
 
 
 def test_an_agent_refuses_engine_kv_of_another_layout():

@@ -155,10 +155,14 @@ class BenchConfig:
     def staging_bytes(self, prefill_rank: int) -> int:
         """A prefill rank's local staging slab: `ring_chunks` chunks of every block it writes.
 
-        A replica that the head plan leaves idle (prefill TP above the KV heads) still gets a minimal slab."""
-        per_chunk = sum(
-            2 * self.layout.num_layers * self.chunk_tokens * t.num_heads * self.layout.head_bytes + ALIGN_SLACK
-            for t in plan_head_transfers(self.shape.num_kv_heads, self.prefill_tp, self.decode_tp)
-            if t.prefill_rank == prefill_rank
+        Replicated heads are written by a replica that changes from room to room (`replica_turn`): the slab holds
+        the most any turn gives this rank; a replica that every turn leaves idle still gets a minimal slab."""
+        per_chunk = max(
+            sum(
+                2 * self.layout.num_layers * self.chunk_tokens * t.num_heads * self.layout.head_bytes + ALIGN_SLACK
+                for t in plan_head_transfers(self.shape.num_kv_heads, self.prefill_tp, self.decode_tp, turn)
+                if t.prefill_rank == prefill_rank
+            )
+            for turn in range(self.prefill_tp)
         )
         return self.ring_chunks * max(per_chunk, ALIGN_SLACK)

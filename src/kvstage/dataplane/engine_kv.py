@@ -15,6 +15,7 @@ Formats (`layers[i]` is what the engine holds for layer i; B pages, N = page_siz
 | `vllm_cpu` | `[B, H, N, 2*D]`, each (b, h) one run | `c[b, h, 0].view(D, N)[:, n]` / `c[b, h, 1].view(N, D)[n]` |
 | `vllm_nhd` | `[B, H, N, 2*D]`, memory `B, N, H, 2D` | `t[b, h, n, :D]` / `t[b, h, n, D:]`                     |
 | `vllm_hnd` | `[B, H, N, 2*D]`, memory `B, H, N, 2D` | `t[b, h, n, :D]` / `t[b, h, n, D:]`                     |
+| `vllm_mla` | `[B, 1, N, 2*D]`, one latent row a token | `t[b, 0, n, :D]` / `t[b, 0, n, D:]`                     |
 | `sglang`   | `(k, v)`, each `[B*N, H, D]`          | `k[b*N + n, h]` / `v[b*N + n, h]`                       |
 
 The vLLM rows are what vLLM 0.32 hands a connector in `register_kv_caches` (`create_kv_cache_views`: a 4-D
@@ -27,6 +28,11 @@ tests/dataplane/test_engine_kv_vllm.py checks it against vLLM's own op). Its `am
 block size a multiple of 32) pack K and V in tiles: not a format kvstage reads. So
 `vllm_cpu` and `vllm_hnd` have the same strides and differ inside a block: the format is the caller's statement,
 and the strides are checked against it.
+
+`vllm_mla` is an MLA model's latent cache (`MLAAttentionSpec`: one row of `kv_lora_rank + rope_dim` elements per
+token, the same on every TP rank; in fp8 caches one byte an element). kvstage moves it as one head whose K is the
+row's first half and V its second (`layout.latent_layout`), so its arithmetic is `vllm_nhd`'s with one head; the
+format names what the bytes are, and refuses more than one head.
 
 Invariants: `k`/`v` are views (their storage is the engine's); the page size is the engine's block size, read
 off the tensors and checked against `layout.page_size`; the engine vouches for its pages (kvstage checks bounds
@@ -64,6 +70,7 @@ class KVCacheFormat(StrEnum):
     VLLM_CPU = "vllm_cpu"
     VLLM_NHD = "vllm_nhd"
     VLLM_HND = "vllm_hnd"
+    VLLM_MLA = "vllm_mla"
     SGLANG = "sglang"
 
 
@@ -164,7 +171,10 @@ def _split(
         halves = layer.view(blocks, num_heads, 2, n * d)
         keys = halves[:, :, 0].view(blocks, num_heads, d, n).permute(0, 3, 1, 2)
         return keys, halves[:, :, 1].view(blocks, num_heads, n, d).transpose(1, 2)
-    inner = {KVCacheFormat.VLLM_NHD: (2 * d, num_heads * 2 * d), KVCacheFormat.VLLM_HND: (n * 2 * d, 2 * d)}[fmt]
+    if fmt is KVCacheFormat.VLLM_MLA and num_heads != 1:
+        raise ConfigError(f"vllm_mla KV is one latent head on every rank, got {num_heads} heads")
+    row = (2 * d, num_heads * 2 * d)  # NHD, and MLA's latent rows
+    inner = {KVCacheFormat.VLLM_HND: (n * 2 * d, 2 * d)}.get(fmt, row)
     strides = (layer.stride(1), layer.stride(2))
     if layer.stride(3) != 1 or any(
         size > 1 and got != want for size, got, want in zip((num_heads, n), strides, inner, strict=True)

@@ -40,7 +40,7 @@ import httpx
 
 from kvstage.demo.summary import summary_table
 from kvstage.e2e.hosts import HostNet
-from kvstage.e2e.model import TinyModelSpec, build_tiny_model
+from kvstage.e2e.model import MODELS, TinyModelSpec, build_tiny_model
 from kvstage.e2e.servers import (
     LOCAL,
     Placement,
@@ -67,6 +67,7 @@ class DemoOptions:
     max_tokens: int = 16
     concurrency: int = 4
     seed: int = 1
+    model: str = "llama-tiny"  # a name of kvstage.e2e.model.MODELS
     work_dir: Path | None = None  # logs and reports; a temporary folder (removed) when None
     bootstrap: str = ""  # the directory to use (tcp:// or etcd://); "" starts a `kvstage bootstrap` of its own
     hosts: int = 1  # 1: everything on this host's loopback; 3: prefill, decode and bootstrap+router on hosts A, B, C
@@ -146,8 +147,8 @@ def run_demo(options: DemoOptions = DemoOptions(), *, quiet: bool = False) -> De
     with contextlib.ExitStack() as stack:
         work = options.work_dir or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvstage-demo-")))
         reports = work / "reports"
-        spec = TinyModelSpec()
-        with stage("building the tiny model (cached after the first run)"):
+        spec = MODELS[options.model]
+        with stage(f"building the tiny model {options.model} (cached after the first run)"):
             model = build_tiny_model(spec)
         logs = work / "logs"
         prefill_at, decode_at, control_at = _placements(options.hosts, stack)
@@ -275,7 +276,7 @@ def _report(
     answers: list[_Answer],
     elapsed: float,
 ) -> DemoReport:
-    check = check_rooms(folder, num_layers=spec.num_layers, num_kv_heads=spec.num_kv_heads)
+    check = check_rooms(folder, num_layers=spec.num_layers, num_kv_heads=spec.kv_heads)
     counters = read_counters(folder)
     problems = [f"room {room}: {why}" for room, why in sorted(check.mismatched.items())]
     failed = [a.error for a in answers if a.error]
@@ -287,7 +288,6 @@ def _report(
     verified = min(len(check.verified), len(answers) - len(failed) - len(token_mismatch))
     kv_bytes = sum(int(c["kvstage_transfer_bytes_total"]) for (role, _), c in counters.items() if role == "prefill")
     busy = max((c["kvstage_transfer_busy_seconds_total"] for c in counters.values()), default=0.0)
-    token_bytes = spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * 4
     room_failures = sum(int(c["kvstage_room_failures_total"]) for c in counters.values())
     ttfts = [a.ttft_s * 1000 for a in answers if not a.error]
     return DemoReport(
@@ -297,7 +297,7 @@ def _report(
         failed=len(failed) + room_failures,
         leaked_bytes=sum(int(c["kvstage_ring_live_bytes"]) for c in counters.values()),
         kv_bytes=kv_bytes,
-        prefix_bytes_saved=sum(check.prefix_tokens.values()) * token_bytes,
+        prefix_bytes_saved=sum(check.prefix_tokens.values()) * spec.kv_bytes_per_token,
         transfer_gbps=kv_bytes / busy / 1e9 if busy else 0.0,
         ttft_p50_ms=_percentile(ttfts, 50),
         ttft_p99_ms=_percentile(ttfts, 99),
@@ -328,7 +328,7 @@ def print_summary(report: DemoReport, options: DemoOptions) -> None:
         ("ring high water", f"{report.ring_high_water_bytes:,} B"),
     ]
     console = Console()
-    title = f"kvstage demo: vLLM prefill TP={options.prefill_tp} -> decode TP={options.decode_tp}"
+    title = f"kvstage demo ({options.model}): vLLM prefill TP={options.prefill_tp} -> decode TP={options.decode_tp}"
     console.print(summary_table(rows, title))
     for problem in report.problems:
         console.print(f"[red]{problem}[/red]")

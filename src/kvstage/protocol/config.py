@@ -186,11 +186,11 @@ def _check_identity(peer_id: str, tp_size: int, rank: int, layout: KVLayout) -> 
 class DecodeConfig:
     """One decode rank: `rank` of a TP group of `tp_size`, its ring of `ring_bytes`, and the chunk grid.
 
-    `attention="mla"` makes every room take the direct path (MLA's latent KV is identical on every rank);
-    otherwise `validate_staging_config` must pass, because rooms with different TP sizes stage (R12).
-    `staged_only` makes every room stage, matched TP too: for a rank whose KV writers cannot reach page to page (an
-    engine's own KV that its transport does not export, or on a GPU); `ExpectRoom.direct=False` does it for one
-    room."""
+    `attention="mla"`: the layout is an MLA model's latent cache, one head every rank holds whole
+    (`layout.latent_layout`), so every room can take the direct path, whatever the two TP sizes (R12).
+    `staged_only` makes every room stage, matched TP and MLA too: for a rank whose KV writers cannot reach page to
+    page (an engine's own KV that its transport does not export, or on a GPU); `ExpectRoom.direct=False` does it
+    for one room. Staging rooms need `validate_staging_config` to pass."""
 
     peer_id: str
     layout: KVLayout
@@ -206,20 +206,14 @@ class DecodeConfig:
 
     def __post_init__(self) -> None:
         _check_identity(self.peer_id, self.tp_size, self.rank, self.layout)
-        if self.staged_only and self.attention == "mla":
+        if self.attention == "mla" and self.layout.num_kv_heads != 1:
             raise ConfigError(
-                "MLA rooms take the direct path only, and the direct path writes into a KVPool only: MLA with the "
-                "engine's own KV (EngineKV, staged only) is not supported in this version"
+                f"attention='mla' needs a layout of one KV head (the latent row, layout.latent_layout), got "
+                f"num_kv_heads={self.layout.num_kv_heads}"
             )
-        if self.attention != "mla":
-            validate_staging_config(
-                chunk_tokens=self.chunk_tokens, page_size=self.layout.page_size, attention=self.attention
-            )
-        elif self.chunk_tokens <= 0 or self.chunk_tokens % self.layout.page_size:
-            raise ConfigError(
-                f"chunk_tokens={self.chunk_tokens} must be a positive multiple of "
-                f"page_size={self.layout.page_size}; it is the notification grain of the direct path"
-            )
+        validate_staging_config(
+            chunk_tokens=self.chunk_tokens, page_size=self.layout.page_size, attention=self.attention
+        )
         if self.ring_bytes <= 0 or self.ring_alignment <= 0 or self.ring_bytes % self.ring_alignment:
             raise ConfigError(
                 f"ring_bytes={self.ring_bytes} must be a positive multiple of ring_alignment={self.ring_alignment}"

@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvstage.errors import ConfigError, InvalidRequest, StagingOversized
-from kvstage.layout import ChunkGrid, StagingPlan, pages_for
+from kvstage.layout import ChunkGrid, StagingPlan, pages_for, replica_turn
 from kvstage.protocol import reasons
 from kvstage.protocol.actions import FenceScatter, FreePages, RoomFailed, RoomSucceeded, Scatter
 from kvstage.protocol.base import EndpointCore, Peer
@@ -214,9 +214,10 @@ class DecodeEndpoint(EndpointCore):
         if num_chunks > MAX_CHUNKS:
             raise InvalidRequest(f"room {event.room}: {num_chunks} chunks exceed the protocol bound {MAX_CHUNKS}")
         try:
-            plan_full = staging_plan(cfg.layout, prefill_tp, cfg.tp_size, cfg.rank, cfg.chunk_tokens)
+            turn = replica_turn(event.room, prefill_tp)
+            plan_full = staging_plan(cfg.layout, prefill_tp, cfg.tp_size, cfg.rank, cfg.chunk_tokens, turn)
             last_tokens = self._grid.chunk(num_chunks - 1, event.num_tokens, event.prefix_tokens).num_tokens
-            plan_last = staging_plan(cfg.layout, prefill_tp, cfg.tp_size, cfg.rank, last_tokens)
+            plan_last = staging_plan(cfg.layout, prefill_tp, cfg.tp_size, cfg.rank, last_tokens, turn)
         except ConfigError as exc:
             raise InvalidRequest(f"room {event.room}: prefill TP {prefill_tp} cannot feed this rank: {exc}") from exc
         self._room_epoch += 1

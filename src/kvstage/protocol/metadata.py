@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Container
 
 from kvstage.errors import ConfigError
-from kvstage.layout import ceil_div, pages_for
+from kvstage.layout import ceil_div, pages_for, replica_turn
 from kvstage.protocol.config import PrefillConfig
 from kvstage.protocol.messages import DIRECT, MAX_CHUNKS, Metadata
 from kvstage.protocol.plans import transfers_of_writer
@@ -30,7 +30,8 @@ def metadata_problem(config: PrefillConfig, m: Metadata) -> str | None:
     if not m.decode_rank < m.decode_tp:
         return "decode rank outside its TP group"
     try:
-        targets = transfers_of_writer(config.layout.num_kv_heads, config.tp_size, m.decode_tp, config.rank)
+        turn = replica_turn(m.room, config.tp_size)
+        targets = transfers_of_writer(config.layout.num_kv_heads, config.tp_size, m.decode_tp, config.rank, turn)
     except ConfigError:
         return "decode TP size incompatible with the KV heads"
     if m.decode_rank not in targets:

@@ -22,21 +22,23 @@ def choose_path(attention: str, prefill_tp: int, decode_tp: int, staged_only: bo
 
 
 @lru_cache(maxsize=4096)
-def staging_plan(layout: KVLayout, prefill_tp: int, decode_tp: int, decode_rank: int, num_tokens: int) -> StagingPlan:
-    """`plan_staging`, memoised: every chunk of a room but the last shares one plan."""
-    return plan_staging(layout, prefill_tp, decode_tp, decode_rank, num_tokens)
+def staging_plan(
+    layout: KVLayout, prefill_tp: int, decode_tp: int, decode_rank: int, num_tokens: int, turn: int = 0
+) -> StagingPlan:
+    """`plan_staging`, memoised: every chunk of a room but the last shares one plan (`turn`: `replica_turn`)."""
+    return plan_staging(layout, prefill_tp, decode_tp, decode_rank, num_tokens, turn)
 
 
 @lru_cache(maxsize=1024)
 def transfers_of_writer(
-    num_kv_heads: int, prefill_tp: int, decode_tp: int, prefill_rank: int
+    num_kv_heads: int, prefill_tp: int, decode_tp: int, prefill_rank: int, turn: int = 0
 ) -> Mapping[int, HeadTransfer]:
     """Decode rank -> the one head run `prefill_rank` writes to it (ranks it writes nothing to are absent).
 
     plan_head_transfers merges contiguous runs and gives each (writer, decode rank) pair one run; a staging
     block is one run, so a second run would be a layout bug and raises."""
     runs: dict[int, HeadTransfer] = {}
-    for t in plan_head_transfers(num_kv_heads, prefill_tp, decode_tp):
+    for t in plan_head_transfers(num_kv_heads, prefill_tp, decode_tp, turn):
         if t.prefill_rank == prefill_rank:
             if t.decode_rank in runs:
                 raise AssertionError(f"prefill rank {prefill_rank} has two head runs to decode rank {t.decode_rank}")

@@ -21,7 +21,7 @@ and sim/.
 from __future__ import annotations
 
 from kvstage.errors import ConfigError, InvalidRequest
-from kvstage.layout import WriterBlock, page_slice, pages_for
+from kvstage.layout import WriterBlock, page_slice, pages_for, replica_turn
 from kvstage.protocol import reasons
 from kvstage.protocol.actions import RoomFailed, RoomSucceeded, WriteDirect, WriteRegion
 from kvstage.protocol.base import EndpointCore, Peer
@@ -124,7 +124,7 @@ class PrefillEndpoint(EndpointCore):
         if event.num_tokens < 1:
             raise InvalidRequest(f"room {event.room}: num_tokens must be positive, got {event.num_tokens}")
         try:
-            targets = self._targets(event.decode_tp)
+            targets = self._targets(event.room, event.decode_tp)
         except ConfigError as exc:
             raise InvalidRequest(f"room {event.room}: decode_tp={event.decode_tp} is unusable: {exc}") from exc
         self.stats.rooms_opened += 1
@@ -141,12 +141,13 @@ class PrefillEndpoint(EndpointCore):
             if peer is not None:
                 self._adopt(r, peer, metadata)
 
-    def _targets(self, decode_tp: int) -> frozenset[int]:
-        """The decode ranks this rank writes to for a decode instance of TP `decode_tp` (0: not known yet)."""
+    def _targets(self, room: int, decode_tp: int) -> frozenset[int]:
+        """The decode ranks this rank writes `room` to for a decode instance of TP `decode_tp` (0: not known yet)."""
         if not decode_tp:
             return frozenset()
         cfg = self.config
-        return frozenset(transfers_of_writer(cfg.layout.num_kv_heads, cfg.tp_size, decode_tp, cfg.rank))
+        turn = replica_turn(room, cfg.tp_size)
+        return frozenset(transfers_of_writer(cfg.layout.num_kv_heads, cfg.tp_size, decode_tp, cfg.rank, turn))
 
     def _on_compute_scheduled(self, event: ComputeScheduled) -> None:
         r = self._engine_room(event.room)
@@ -246,7 +247,7 @@ class PrefillEndpoint(EndpointCore):
             return
         problem = attached_metadata_problem(self.config, m, r.num_tokens, r.decode_tp or m.decode_tp, r.ranks, r.prompt)
         if problem is None and not r.decode_tp:  # the first decode rank's Metadata says decode's TP size
-            r.decode_tp, r.targets = m.decode_tp, self._targets(m.decode_tp)
+            r.decode_tp, r.targets = m.decode_tp, self._targets(r.room, m.decode_tp)
         if problem is not None:
             self.stats.reject(problem)
             self._send(peer.peer_id, Abort(room=r.room, reason=reasons.BAD_METADATA))

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvstage.layout import Chunk, ChunkGrid, HeadTransfer, StagingPlan
+from kvstage.layout import Chunk, ChunkGrid, HeadTransfer, StagingPlan, replica_turn
 from kvstage.protocol.config import PrefillConfig
 from kvstage.protocol.messages import DIRECT, Metadata
 from kvstage.protocol.plans import staging_plan, transfers_of_writer
@@ -56,12 +56,13 @@ class Link:
         grid = ChunkGrid(m.chunk_tokens, m.page_size)
         num_chunks = grid.num_chunks(m.num_tokens, m.prefix_tokens)
         layout, tp, rank = config.layout, config.tp_size, config.rank
-        transfer = transfers_of_writer(layout.num_kv_heads, tp, m.decode_tp, rank)[m.decode_rank]
+        turn = replica_turn(m.room, tp)
+        transfer = transfers_of_writer(layout.num_kv_heads, tp, m.decode_tp, rank, turn)[m.decode_rank]
         plan_full = plan_last = None
         if m.path != DIRECT:
             last_tokens = grid.chunk(num_chunks - 1, m.num_tokens, m.prefix_tokens).num_tokens
-            plan_full = staging_plan(layout, tp, m.decode_tp, m.decode_rank, m.chunk_tokens)
-            plan_last = staging_plan(layout, tp, m.decode_tp, m.decode_rank, last_tokens)
+            plan_full = staging_plan(layout, tp, m.decode_tp, m.decode_rank, m.chunk_tokens, turn)
+            plan_last = staging_plan(layout, tp, m.decode_tp, m.decode_rank, last_tokens, turn)
         return cls(peer_id, m, grid, num_chunks, transfer, plan_full, plan_last)
 
     def plan(self, index: int) -> StagingPlan:

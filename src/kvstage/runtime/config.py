@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from kvstage.errors import ConfigError
-from kvstage.layout import KVLayout
+from kvstage.layout import Attention, KVLayout
 from kvstage.protocol import Limits, Timing
 from kvstage.protocol.codec import DEFAULT_MAX_FRAME_BYTES
 from kvstage.protocol.config import lease_gaps
@@ -35,6 +35,9 @@ class AgentConfig:
     tp_size: int
     layout: KVLayout
     bootstrap: str
+    #: "mla" when `layout` is an MLA model's latent cache (`layout.latent_layout`); decode's rooms may then go direct
+    #: whatever the two TP sizes (`DecodeConfig.attention`)
+    attention: Attention = "gqa"
     transport: TransportConfig = field(default_factory=TransportConfig)
     control_bind: str = "tcp://127.0.0.1:*"
     #: Shared secret of the deployment (`kvstage.transport.auth.load_secret`): every control frame and bootstrap

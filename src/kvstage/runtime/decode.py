@@ -161,7 +161,9 @@ class DecodeAgent(BaseAgent):
     def _setup_memory(self) -> dict[str, bytes]:
         self.ring_region = self._host_region(self.config.ring_bytes)
         exported = self.export_pool()
-        self._engine_direct = "engine" in exported  # writers can reach the engine's own KV page to page
+        # writers can reach the engine's own KV page to page; an MLA latent cache stages (the page-to-page path into
+        # an engine's blocks was checked for MHA/GQA caches only)
+        self._engine_direct = "engine" in exported and self.config.attention != "mla"
         return {"ring": encode_descriptor(self.transport.export(self.ring_region)), **exported}
 
     def _decode_config(self) -> DecodeConfig:
@@ -174,6 +176,7 @@ class DecodeAgent(BaseAgent):
             chunk_tokens=cfg.chunk_tokens,
             ring_bytes=cfg.ring_bytes,
             ring_alignment=cfg.ring_alignment,
+            attention=cfg.attention,
             timing=cfg.timing,
             limits=cfg.limits,
             staged_only=isinstance(self.pool, EngineKV),  # until its KV is exported (`_make_endpoint`)

@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import os
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -96,8 +96,6 @@ class KVStageConnector(KVConnectorBase_V1):
         parallel = vllm_config.parallel_config
         if parallel.pipeline_parallel_size > 1:
             raise ConfigError("kvstage: pipeline parallelism > 1 is not supported (staging needs pp_size == 1)")
-        if vllm_config.model_config.use_mla:
-            raise ConfigError("kvstage: MLA models are not supported by the vLLM connector in this version")
         settings = ConnectorSettings.from_extra_config(transfer.kv_connector_extra_config)
         producer = transfer.kv_role == "kv_producer"
         if not producer and transfer.kv_load_failure_policy != "recompute":
@@ -236,14 +234,24 @@ def engine_facts(vllm_config: VllmConfig, producer: bool) -> EngineFacts:
 
         return str(_get_attn_isa(dtype, cache.block_size, model.get_head_size(), str(cache.cache_dtype)))
 
+    def attention_backend(layer_names: Sequence[str]) -> str:
+        """The attention backend vLLM built those layers with (it decides the cache's layout too)."""
+        from vllm.config import get_layers_from_vllm_config
+        from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+
+        layers = get_layers_from_vllm_config(vllm_config, AttentionLayerBase, layer_names)  # type: ignore[type-abstract]
+        return ",".join(sorted({layer.get_attn_backend().get_name() for layer in layers.values()}))
+
     return EngineFacts(
         producer=producer,
         tp_size=vllm_config.parallel_config.tensor_parallel_size,
         rank=get_tensor_model_parallel_rank(),
-        num_kv_heads=model.get_total_num_kv_heads(),
-        head_dim=model.get_head_size(),
+        num_kv_heads=1 if model.use_mla else model.get_total_num_kv_heads(),  # MLA: one latent head, replicated
+        head_dim=model.get_head_size(),  # MLA: kv_lora_rank + rope_dim
         block_size=cache.block_size,
         cache_dtype=str(cache.cache_dtype),
         gpu_layout=str(getattr(cache, "kv_cache_layout", "")),
         cpu_attention_isa=cpu_attention_isa,
+        mla=model.use_mla,
+        attention_backend=attention_backend,
     )

@@ -4,8 +4,10 @@ Owns `WorkerSide` and `EngineFacts` (what it needs to know of the engine; no vLL
 worker side directly). At `register_kv_caches` it describes vLLM's cache as a `KVLayout` plus an `EngineKV` over
 the very tensors vLLM attends from (no pool of kvstage's, no copy), then starts a `DecodeAgent` (kv_consumer) or a
 `PrefillAgent` (kv_producer) that registers with the bootstrap as rank `facts.rank` of instance
-`settings.instance`. Each step it turns the scheduler side's records into agent calls and the agent's outcomes
-into vLLM's:
+`settings.instance`. An MLA model's latent cache is one head every rank holds whole (`layout.latent_layout`,
+format `vllm_mla`), so each decode rank takes it from one prefill rank. A cache layout kvstage has not been
+checked against (`cache_format`) stops vLLM at start, naming the setting that avoids it. Each step it turns the
+scheduler side's records into agent calls and the agent's outcomes into vLLM's:
 
     reclaim_preempted           prefill: preempted requests' rooms are aborted and their blocks reclaimed
       (handle_preemptions)      (no gather reads them after this, before the forward can overwrite them)
@@ -29,7 +31,7 @@ from __future__ import annotations
 import logging
 import re
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 
@@ -41,7 +43,7 @@ from kvstage.errors import ConfigError
 from kvstage.integrations.vllm.metadata import ComputeStep, ExpectRoom, StepRecords
 from kvstage.integrations.vllm.report import RankReport, span_digests
 from kvstage.integrations.vllm.settings import ConnectorSettings
-from kvstage.layout import KVLayout, heads_of_rank
+from kvstage.layout import KVLayout, heads_of_rank, latent_layout
 from kvstage.protocol import Timing
 from kvstage.runtime import AgentConfig, DecodeAgent, PrefillAgent, peer_id
 from kvstage.transport.auth import load_secret
@@ -67,6 +69,9 @@ class EngineFacts:
     cache_dtype: str = "auto"  # vLLM's cache_config.cache_dtype
     gpu_layout: str = ""  # vLLM's KV cache layout on a GPU ("LBNHC" or "LBHNC")
     cpu_attention_isa: Callable[[torch.dtype], str] = lambda _dtype: "vec"  # the CPU kernel for a cache dtype
+    mla: bool = False  # an MLA model: its cache holds one latent row (kv_lora_rank + rope_dim) per token
+    #: vLLM's attention backend of the named layers ("CPU_ATTN", "CPU_MLA", ...; several, comma-separated)
+    attention_backend: Callable[[Sequence[str]], str] = lambda _layers: "CPU_ATTN"
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,10 +118,13 @@ class WorkerSide:
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         facts = self._facts
-        layers = [kv_caches[name] for name in sorted(kv_caches, key=_layer_index)]
+        names = sorted(kv_caches, key=_layer_index)
+        layers = [kv_caches[name] for name in names]
+        fmt = cache_format(facts, layers[0], facts.attention_backend(names))
+        self._kv_format = fmt
         layout = self._layout(layers[0], len(layers))
         heads = heads_of_rank(layout.num_kv_heads, facts.tp_size, facts.rank)
-        self._kv = EngineKV.from_layers(layout, self._format(layers[0]), layers, len(heads))
+        self._kv = EngineKV.from_layers(layout, fmt, layers, len(heads))
         self._global_heads = tuple(heads)
         s = self._settings
         config = AgentConfig(
@@ -125,6 +133,7 @@ class WorkerSide:
             tp_size=facts.tp_size,
             layout=layout,
             bootstrap=s.bootstrap,
+            attention="mla" if facts.mla else "gqa",
             transport=TransportConfig(backend=s.backend, host=s.host),
             control_bind=f"tcp://{s.host}:*",
             chunk_tokens=s.chunk_tokens_for(layout.page_size),
@@ -154,27 +163,16 @@ class WorkerSide:
 
     def _layout(self, sample: torch.Tensor, num_layers: int) -> KVLayout:
         facts = self._facts
+        dtype = _FP8.get(facts.cache_dtype) or _dtype_name(sample.dtype)
+        if facts.mla:
+            return latent_layout(num_layers, sample.shape[-1], dtype, facts.block_size)
         return KVLayout(
             num_layers=num_layers,
             num_kv_heads=facts.num_kv_heads,
             head_dim=facts.head_dim,
-            dtype=_FP8.get(facts.cache_dtype) or _dtype_name(sample.dtype),
+            dtype=dtype,
             page_size=facts.block_size,
         )
-
-    def _format(self, sample: torch.Tensor) -> KVCacheFormat:
-        if sample.device.type == "cpu":
-            fmt = cpu_format(self._facts.cpu_attention_isa(sample.dtype))
-        else:
-            name = self._facts.gpu_layout
-            if name not in _CUDA_FORMATS:
-                raise ConfigError(
-                    f"kvstage: vLLM's KV cache layout {name!r} is not supported; set VLLM_KV_CACHE_LAYOUT to "
-                    f"one of {sorted(_CUDA_FORMATS)}"
-                )
-            fmt = _CUDA_FORMATS[name]
-        self._kv_format = fmt
-        return fmt
 
     # ---- each step ----------------------------------------------------------------------------------------
 
@@ -339,6 +337,56 @@ def staging_note(staging: torch.device, kv: torch.device, backend: str) -> str:
 
 #: vLLM's CPU attention kernels whose cache layout kvstage reads (checked against vLLM's own write kernel).
 CPU_KERNELS_READ = ("vec", "vec16")
+#: vLLM's MLA backends whose latent cache kvstage reads: CPU_MLA's write is checked against vLLM's own
+#: (tests/dataplane/test_engine_kv_vllm.py); the GPU backends named write through vLLM's common latent write
+#: (`concat_and_cache_mla`, rows of kv_c then k_pe) and were read, not run, here. AMX_MLA packs with a kernel of
+#: its own, not checked.
+MLA_BACKENDS_READ = ("CPU_MLA", "TRITON_MLA", "FLASHMLA", "FLASH_ATTN_MLA", "FLASHINFER_MLA", "CUTLASS_MLA")
+#: MLA cache dtypes whose rows are plain elements (fp8: one byte each, one scale per tensor).
+MLA_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+
+
+def cache_format(facts: EngineFacts, sample: torch.Tensor, backend: str) -> KVCacheFormat:
+    """The format of vLLM's KV cache (`sample`: one layer's tensor), written by attention backend `backend`;
+    `ConfigError` naming the setting that avoids a layout kvstage has not been checked against."""
+    if facts.mla:
+        return mla_format(backend, facts.cache_dtype, sample.shape[-1], facts.head_dim)
+    if sample.device.type == "cpu":
+        if backend != "CPU_ATTN":
+            raise ConfigError(
+                f"kvstage: vLLM's CPU attention backend here is {backend!r}; kvstage reads CPU_ATTN's KV cache only "
+                "(set --attention-backend CPU_ATTN)"
+            )
+        return cpu_format(facts.cpu_attention_isa(sample.dtype))
+    if facts.gpu_layout not in _CUDA_FORMATS:
+        raise ConfigError(
+            f"kvstage: vLLM's KV cache layout {facts.gpu_layout!r} is not supported; set VLLM_KV_CACHE_LAYOUT to "
+            f"one of {sorted(_CUDA_FORMATS)}"
+        )
+    return _CUDA_FORMATS[facts.gpu_layout]
+
+
+def mla_format(backend: str, cache_dtype: str, row: int, head_size: int) -> KVCacheFormat:
+    """`vllm_mla` for a latent cache kvstage reads: a checked backend (`MLA_BACKENDS_READ`), a cache dtype of plain
+    elements, and rows of exactly vLLM's MLA head size (no inline scales, no padding); else `ConfigError`."""
+    if backend not in MLA_BACKENDS_READ:
+        raise ConfigError(
+            f"kvstage: vLLM's MLA backend here is {backend!r}, whose latent cache layout kvstage has not been "
+            f"checked against; set --attention-backend to one of {', '.join(MLA_BACKENDS_READ)} (on a CPU host "
+            "with AMX, CPU_MLA)"
+        )
+    if cache_dtype not in MLA_CACHE_DTYPES:
+        raise ConfigError(
+            f"kvstage: an MLA cache of kv_cache_dtype {cache_dtype!r} packs scales into its rows, a layout kvstage "
+            f"has not been checked against; set --kv-cache-dtype to one of {', '.join(MLA_CACHE_DTYPES)}"
+        )
+    if row != head_size:
+        raise ConfigError(
+            f"kvstage: vLLM's MLA cache rows hold {row} elements, not the latent's {head_size} "
+            "(kv_lora_rank + rope_dim): a padded or scaled row layout kvstage has not been checked against; set "
+            f"--kv-cache-dtype to one of {', '.join(MLA_CACHE_DTYPES)}"
+        )
+    return KVCacheFormat.VLLM_MLA
 
 
 def cpu_format(isa: str) -> KVCacheFormat:
@@ -347,8 +395,8 @@ def cpu_format(isa: str) -> KVCacheFormat:
     if isa not in CPU_KERNELS_READ:
         raise ConfigError(
             f"kvstage: vLLM's CPU attention kernel here is {isa!r}; kvstage reads the KV cache layout of the "
-            f"{' and '.join(CPU_KERNELS_READ)} kernels only (with AMX, a float32 or float16 cache, or a block size "
-            "that is not a multiple of 32, avoids the AMX kernel)"
+            f"{' and '.join(CPU_KERNELS_READ)} kernels only (with AMX, --dtype float32 or float16, or a "
+            "--block-size that is not a multiple of 32, avoids the AMX kernel)"
         )
     return KVCacheFormat.VLLM_CPU
 
