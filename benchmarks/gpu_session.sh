@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One call on a lent GPU machine (docs/gpu.md): every `gpu` test, the gather/scatter benchmark in device time and
 # per call, and `kvstage bench --backend cuda_ipc --device cuda`; each step's log goes to $OUT (default ./out).
-# Missing wheels (msgspec, pyzmq) are installed from .whl/ when it exists. Each step has its own time limit, so a
-# stuck step costs only its own share of the call. Usage: bash benchmarks/gpu_session.sh [STEP ...], in the order
+# Missing wheels (msgspec, pyzmq, etcd3gw: docs/gpu.md) are installed from .whl/ when it exists. Each step has
+# its own time limit, so a stuck step costs only its own share of the call. Usage: bash
+# benchmarks/gpu_session.sh [STEP ...], in the order
 # given (default: tests gs_device gs_call bench; also gs_shapes, the other shapes in device time, bench_c4, the
 # bench with 4 requests at once, nixl_tests and bench_nixl (bench_nixl_ucx_defaults: without UCX_TLS), the nixl
 # backend on GPU memory (needs a NIXL wheel for the host's CUDA in .whl/, nixl-cu13 on the lent H200s), and
