@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 from pathlib import Path
 
 import msgspec
@@ -55,12 +56,13 @@ def test_segment_of_a_killed_owner_is_swept_by_the_next_transport(tmp_path: Path
     assert list(tmp_path.glob("kvstage-*")) == []
 
 
-def test_caller_memory_can_be_a_source_but_cannot_be_exported() -> None:
+def test_caller_memory_is_exported_by_process_and_address_not_as_a_segment() -> None:
     with create_transport(TransportConfig()) as transport:
-        region = transport.register(torch.zeros(64, dtype=torch.float32))
+        tensor = torch.zeros(64, dtype=torch.float32)
+        region = transport.register(tensor)
         assert region.nbytes == 256
-        with pytest.raises(TransportError, match="only regions made by allocate"):
-            transport.export(region)
+        ref = msgspec.msgpack.decode(transport.export(region).payload)
+        assert (ref["type"], ref["pid"], ref["address"]) == ("process", os.getpid(), tensor.data_ptr())
 
 
 def test_import_refuses_a_descriptor_naming_a_path_outside_the_segment_namespace(tmp_path: Path) -> None:

@@ -112,13 +112,13 @@ def plot(result: BenchResult, path: Path) -> None:
     names = [label(result, p.name) for p in result.paths]
     colors = ["tab:green", "tab:red", "tab:gray"]
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for ax, values, label in (
+    for ax, values, axis_label in (
         (left, [p.best_gbps for p in result.paths], "GB/s (best round)"),
         (right, [p.ops_per_request for p in result.paths], "transfer ops per request"),
     ):
         bars = ax.bar(names, values, color=colors)
         ax.set_yscale("log")
-        ax.set_ylabel(label)
+        ax.set_ylabel(axis_label)
         ax.bar_label(bars, labels=[f"{v:,.3g}" for v in values])
     c = result.config
     fig.suptitle(f"kvstage bench: {c.backend}, {c.model}, P{c.prefill_tp}->D{c.decode_tp}, {c.tokens} tokens")
