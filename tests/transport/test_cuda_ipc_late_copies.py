@@ -77,3 +77,20 @@ def test_bounded_copies_land_bit_exact_at_every_alignment(shift: int) -> None:
         for s_off, d_off, n in slices:
             expected[d_off : d_off + n] = data[s_off : s_off + n]
         assert torch.equal(ring.tensor.cpu(), expected)
+
+
+def test_a_recalibration_whose_readings_all_run_long_keeps_a_young_mapping_and_refuses_an_old_one(monkeypatch) -> None:
+    """A busy engine process can keep the launcher thread off the GIL for milliseconds after each clock reading:
+    the mapping measured before stays in use (writes go on) while it is young, and a clock with no young mapping
+    fails the write rather than guess a deadline."""
+    from kvstage.errors import TransportError
+    from kvstage.transport.data import bounded_copy
+
+    clock = bounded_copy.DeviceClock(torch.device("cuda"))
+    offset = clock._offset_ns
+    monkeypatch.setattr(bounded_copy, "MAX_ROUND_TRIP_NS", -1)  # every reading now counts as too slow
+    clock.calibrate()
+    assert clock._offset_ns == offset and clock._next_try <= time.monotonic() + bounded_copy.RETRY_S
+    clock._calibrated -= bounded_copy.MAX_MAPPING_AGE_S
+    with pytest.raises(TransportError, match="every reading took over 2 ms"):
+        clock.calibrate()

@@ -144,6 +144,8 @@ class BaseAgent(PeerLinks):
         self._draining = False
         self._poll_delay = BUSY_POLL_MIN_S
         self._next_sweep = 0.0
+        self._refreshed = 0.0  # when the snapshot and gauges were last refreshed: after each turn that did something
+        self._moved = False  # a transfer completed or a scatter landed this turn
         self._snapshot = AgentSnapshot()
         self._thread = threading.Thread(target=self._run, name=f"kvstage-{self.role}-agent", daemon=True)
         self._started = False
@@ -321,6 +323,7 @@ class BaseAgent(PeerLinks):
     def _progressed(self) -> None:
         """A transfer completed: poll the transport at the shortest delay again."""
         self._poll_delay = BUSY_POLL_MIN_S
+        self._moved = True
 
     def _busy(self) -> bool:
         """True while transfers are in flight: the loop then polls the transport often."""
@@ -364,7 +367,8 @@ class BaseAgent(PeerLinks):
         """One turn of the agent thread; False once asked to stop. Its events die with it: nothing inbound stays
         referenced while the thread waits for the next batch."""
         stopping = False
-        for item in self._next_batch():
+        batch = self._next_batch()
+        for item in batch:
             if item is _STOP:
                 stopping = True
             elif item is not _WAKE:
@@ -372,13 +376,17 @@ class BaseAgent(PeerLinks):
         self._guarded(self._poll_transport)
         now = time.monotonic()
         due = self.endpoint.next_timer()
-        if due is not None and now >= due:
+        fired = due is not None and now >= due
+        if fired:
             self._guarded(self._feed_actions, self.endpoint.tick(now))
         if now >= self._next_sweep:
             self._next_sweep = now + PEER_SWEEP_S
             self._guarded(self._release_departed, now)
         self._guarded(self._after_turn)
-        self._guarded(self._refresh_snapshot)
+        if batch or fired or self._moved or now - self._refreshed >= IDLE_POLL_S:  # else nothing it shows changed
+            self._moved = False
+            self._refreshed = now
+            self._guarded(self._refresh_snapshot)
         return not stopping
 
     def _next_batch(self) -> list[Any]:
@@ -502,7 +510,11 @@ class BaseAgent(PeerLinks):
     def _poll_transport(self) -> None:
         """Writers override; readers have nothing to poll (one-sided writes)."""
 
+    def _gauges(self) -> None:
+        """Set this side's gauges (ring, parked chunks) from its state; with the snapshot, not every turn."""
+
     def _refresh_snapshot(self) -> None:
+        self._gauges()
         stats = self.endpoint.stats.snapshot()
         for key, count in stats.items():  # a protocol bound that refused a message (too many peers, rooms, ...)
             if key.startswith("rejected."):

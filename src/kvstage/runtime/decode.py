@@ -284,6 +284,8 @@ class DecodeAgent(BaseAgent):
             self._land()
         if self._unplaced:
             self._place_waiting()
+
+    def _gauges(self) -> None:
         ring = self.endpoint.ring
         live = ring.live()
         lag = 0

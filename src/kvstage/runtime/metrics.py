@@ -32,8 +32,10 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, start_http_server
+from prometheus_client.metrics import MetricWrapperBase
 
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
@@ -128,6 +130,18 @@ class AgentMetrics:
         self.clock = BusyClock()
         self._bytes_moved = 0
         self._lock = threading.Lock()
+        # each metric's child for this agent's labels (and an extra label's value), looked up once: `labels()` takes
+        # a lock and checks its arguments on every call, and the agent thread updates gauges several times a chunk
+        self._children: dict[tuple[int, str | None], Any] = {}
+
+    def _of(self, metric: MetricWrapperBase, extra: str | None = None) -> Any:
+        """`metric`'s child for this agent (and `extra`, the value of its third label if it has one)."""
+        key = (id(metric), extra)
+        child = self._children.get(key)
+        if child is None:
+            child = metric.labels(*self._labels) if extra is None else metric.labels(*self._labels, extra)
+            self._children[key] = child
+        return child
 
     # ---- updates -----------------------------------------------------------------------------------------
     def transfer_started(self, now: float | None = None) -> None:
@@ -136,53 +150,53 @@ class AgentMetrics:
     def transfer_finished(self, nbytes: int, seconds: float, ops: int, ok: bool, now: float | None = None) -> None:
         """Account one finished transfer; failed ones count latency and busy time but no bytes."""
         added = self.clock.end(now)
-        self.busy_seconds.labels(*self._labels).inc(added)
-        self.transfer_seconds.labels(*self._labels).observe(seconds)
-        self.transfer_ops.labels(*self._labels).inc(ops)
+        self._of(self.busy_seconds).inc(added)
+        self._of(self.transfer_seconds).observe(seconds)
+        self._of(self.transfer_ops).inc(ops)
         if ok:
-            self.transfer_bytes.labels(*self._labels).inc(nbytes)
+            self._of(self.transfer_bytes).inc(nbytes)
             with self._lock:
                 self._bytes_moved += nbytes
         busy = self.clock.busy_seconds(now)
         if busy > 0:
             with self._lock:
-                self.throughput.labels(*self._labels).set(self._bytes_moved / busy)
+                self._of(self.throughput).set(self._bytes_moved / busy)
 
     def copy_done(self, kind: str, seconds: float) -> None:
         """One chunk's gather or scatter (`kind`) ran for `seconds` on the copy thread."""
-        self.copy_seconds.labels(*self._labels, kind).observe(seconds)
+        self._of(self.copy_seconds, kind).observe(seconds)
 
     def room_failed(self, reason: str) -> None:
-        self.failures.labels(*self._labels, reason).inc()
+        self._of(self.failures, reason).inc()
 
     def canary_violated(self, nbytes: int) -> None:
-        self.canary_violations.labels(*self._labels).inc(nbytes)
+        self._of(self.canary_violations).inc(nbytes)
 
     def internal_error(self) -> None:
-        self.internal_errors.labels(*self._labels).inc()
+        self._of(self.internal_errors).inc()
 
     def frame_rejected(self, reason: str) -> None:
-        self.rejected.labels(*self._labels, reason).inc()
+        self._of(self.rejected, reason).inc()
 
     def parked_send_failed(self, reason: str) -> None:
-        self.parked_failed.labels(*self._labels, reason).inc()
+        self._of(self.parked_failed, reason).inc()
 
     def set_protocol_rejected(self, why: str, count: int) -> None:
-        self.protocol_rejected.labels(*self._labels, why).set(count)
+        self._of(self.protocol_rejected, why).set(count)
 
     def set_peer_state(self, table: str, count: int) -> None:
-        self.peer_state.labels(*self._labels, table).set(count)
+        self._of(self.peer_state, table).set(count)
 
     def set_rooms(self, state: str, count: int) -> None:
-        self.rooms.labels(*self._labels, state).set(count)
+        self._of(self.rooms, state).set(count)
 
     def set_ring(self, live_bytes: int, high_water: int, lag_bytes: int) -> None:
-        self.ring_live_bytes.labels(*self._labels).set(live_bytes)
-        self.ring_high_water.labels(*self._labels).set(high_water)
-        self.watermark_lag.labels(*self._labels).set(lag_bytes)
+        self._of(self.ring_live_bytes).set(live_bytes)
+        self._of(self.ring_high_water).set(high_water)
+        self._of(self.watermark_lag).set(lag_bytes)
 
     def set_parked(self, count: int) -> None:
-        self.parked_chunks.labels(*self._labels).set(count)
+        self._of(self.parked_chunks).set(count)
 
     # ---- reading -----------------------------------------------------------------------------------------
     def value(self, name: str, **labels: str) -> float:

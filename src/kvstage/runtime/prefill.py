@@ -501,6 +501,8 @@ class PrefillAgent(BaseAgent):
             self._retry_unresolved()
         if self._waiting:
             self._start_ready_writes()
+
+    def _gauges(self) -> None:
         self.metrics.set_parked(self.endpoint.parked_count())
 
     def _busy(self) -> bool:

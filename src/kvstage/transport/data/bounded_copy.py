@@ -9,8 +9,10 @@ Clock mapping. `DeviceClock.calibrate` reads `%globaltimer` in a one-thread kern
 `t0 <= t_read <= t1`; `g - t1` is then a lower bound of the true offset (device clock minus host clock), so a
 deadline mapped with it is never later on the device than on the host: the device stops early by at most
 `t1 - t0` (tens of microseconds), never late. The two clocks drift apart by parts per million, so the mapping is
-refreshed every `RECALIBRATE_S` and the device deadline is taken `MARGIN_NS` early; a calibration that cannot bound
-the offset within `MAX_ROUND_TRIP_NS` is retried, and one that never can raises `TransportError`.
+refreshed every `RECALIBRATE_S` and the device deadline is taken `MARGIN_NS` early. A calibration none of whose
+readings is bounded within `MAX_ROUND_TRIP_NS` (the calling thread waited on the GIL after each, say, in a busy engine
+process) keeps the last mapping while it is younger than `MAX_MAPPING_AGE_S` (twice the usual age) and is tried again
+after `RETRY_S`; with no mapping that young it raises `TransportError`, failing the write.
 
 The kernel is compiled once per element width (no specialisation on alignment or length), when the clock is made.
 Called by transport/data/cuda_ipc.py: a clock per GPU a transport writes from, made when a GPU region is allocated
@@ -19,6 +21,7 @@ or registered there, read (and recalibrated) on its launcher thread.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
@@ -28,15 +31,21 @@ import triton.language as tl  # type: ignore[import-untyped,import-not-found,unu
 
 from kvstage.errors import TransportError
 
+log = logging.getLogger(__name__)
+
 #: Bytes one program of the copy stores after its clock check.
 PROGRAM_BYTES = 16 << 10
 #: How early, on the device, a deadline is taken (clock drift between calibrations, and a program's own stores).
 MARGIN_NS = 1_000_000
 #: How often the device clock is mapped to the host's again.
 RECALIBRATE_S = 5.0
-#: A calibration whose host readings are further apart than this is taken again.
+#: A reading whose host readings are further apart than this is not used.
 MAX_ROUND_TRIP_NS = 2_000_000
 _TRIES = 8
+#: A failed recalibration is tried again after this long, on the next write; meanwhile the last mapping is used
+#: while it is younger than MAX_MAPPING_AGE_S.
+RETRY_S = 0.5
+MAX_MAPPING_AGE_S = 2 * RECALIBRATE_S
 #: Element types a copy runs in, widest first: offsets and lengths divisible by the item size take it.
 _WIDTHS = (torch.int64, torch.int32, torch.int16, torch.uint8)
 
@@ -76,7 +85,8 @@ class DeviceClock:
         self._out = torch.zeros(1, dtype=torch.int64, device=device)
         self._host = torch.zeros(1, dtype=torch.int64, pin_memory=True)  # read without a blocking device copy
         self._offset_ns = 0
-        self._calibrated = -RECALIBRATE_S
+        self._calibrated = -MAX_MAPPING_AGE_S  # when the offset was measured
+        self._next_try = 0.0  # when to measure it again
         self._compile()
         self.calibrate()
 
@@ -93,7 +103,7 @@ class DeviceClock:
     def deadline_ns(self, host_deadline_s: float) -> int:
         """The device-clock reading by which a copy must stop to stop by `host_deadline_s` (a `time.monotonic()`
         reading) on the host, `MARGIN_NS` early."""
-        if time.monotonic() - self._calibrated >= RECALIBRATE_S:
+        if time.monotonic() >= self._next_try:
             self.calibrate()
         return int(host_deadline_s * 1e9) + self._offset_ns - MARGIN_NS
 
@@ -111,10 +121,15 @@ class DeviceClock:
                 if after - before <= MAX_ROUND_TRIP_NS:
                     low = int(self._host[0]) - after
                     best = low if best is None else max(best, low)
-            if best is None:
+            now = time.monotonic()
+            if best is not None:
+                self._offset_ns, self._calibrated, self._next_try = best, now, now + RECALIBRATE_S
+                return
+            age = now - self._calibrated
+            if age >= MAX_MAPPING_AGE_S:
                 raise TransportError(f"cannot map {self._device}'s clock to the host's: every reading took over 2 ms")
-            self._offset_ns = best
-            self._calibrated = time.monotonic()
+            self._next_try = now + RETRY_S
+            log.warning("%s: every clock reading took over 2 ms; keeping the mapping of %.1f s ago", self._device, age)
 
 
 def bounded_copy(dst: torch.Tensor, src: torch.Tensor, deadline_ns: int, skipped: torch.Tensor) -> None:
