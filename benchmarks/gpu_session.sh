@@ -36,7 +36,7 @@ step() {  # step NAME SECONDS COMMAND...
 }
 
 GS="python3 benchmarks/gather_scatter.py --tokens 4096 16384"
-BENCH_ARGS="--device cuda --model llama3-8b --prefill-tp 4 --decode-tp 2 --tokens 4096 --page-size 16 --repeats 5 --json"
+BENCH_ARGS="--device cuda --model llama3-8b --prefill-tp 4 --decode-tp 2 --tokens 4096 --page-size 16 --repeats 5 --slice-rounds 1 --json"
 BENCH="python3 -m kvstage bench --backend cuda_ipc $BENCH_ARGS"
 NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
 NCU_RUN="$NCU --set full --clock-control none --profile-from-start off --kernel-name 'regex:_copy_kernel|_stream_copy'"

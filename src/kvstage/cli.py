@@ -180,6 +180,12 @@ def bench(
         min=1,
         help="Prefill writes in flight per decode rank; the raw path splits each pair's bytes into as many.",
     ),
+    slice_rounds: int | None = typer.Option(
+        None,
+        "--slice-rounds",
+        min=1,
+        help="Time the per-slice path in the first N rounds only (default: every round); it is slow on GPUs.",
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print the results as JSON on the last stdout line."),
     plot_file: str | None = typer.Option(None, "--plot", help="Write a bar chart (PNG) to this file."),
 ) -> None:
@@ -206,6 +212,7 @@ def bench(
             device=device,
             ring_chunks=ring_chunks,
             writes_per_peer=writes_per_peer,
+            slice_rounds=slice_rounds,
         )
     except ConfigError as exc:
         raise typer.BadParameter(str(exc)) from exc

@@ -36,7 +36,7 @@ def test_bench_json_line_reports_three_verified_paths_with_the_expected_operatio
     proc = _run(
         "--backend", "local", "--model", "tiny", "--prefill-tp", str(PREFILL_TP), "--decode-tp", str(DECODE_TP),
         "--tokens", str(TOKENS), "--page-size", str(PAGE), "--chunk-tokens", str(CHUNK), "--concurrency", "2",
-        "--writes-per-peer", str(WINDOW), "--repeats", "2", "--json", "--plot", str(plot),
+        "--writes-per-peer", str(WINDOW), "--repeats", "2", "--slice-rounds", "1", "--json", "--plot", str(plot),
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -47,6 +47,7 @@ def test_bench_json_line_reports_three_verified_paths_with_the_expected_operatio
         assert 0 < result[key] < 1000, (key, result[key])
     assert result["staged_over_raw"] == result["staged_gbps"] / result["raw_gbps"]
     assert result["staged_over_slice"] == result["staged_gbps"] / result["slice_gbps"]
+    assert [len(result["seconds"][path]) for path in ("staged", "slice", "raw")] == [2, 1, 2]  # --slice-rounds 1
     rounds = zip(result["seconds"]["staged"], result["seconds"]["raw"], strict=True)
     assert result["staged_over_raw_paired"] == statistics.median(raw / staged for staged, raw in rounds)
 

@@ -82,6 +82,8 @@ class BenchConfig:
     device: str = "cpu"
     ring_chunks: int = 4
     writes_per_peer: int = 2
+    #: rounds that also time the per-slice path (None: every round); it is verified in the first, so at least 1
+    slice_rounds: int | None = None
     batch_slices: int = 4096
     timeout_s: float = 300.0
     seed: int = 20261129
@@ -96,6 +98,8 @@ class BenchConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
+        if self.slice_rounds is not None and (not isinstance(self.slice_rounds, int) or self.slice_rounds <= 0):
+            raise ConfigError(f"--slice-rounds must be a positive integer, got {self.slice_rounds!r}")
         if self.device not in DEVICES:
             raise ConfigError(f"--device {self.device!r} is unknown; choose one of {', '.join(DEVICES)}")
         validate_staging_config(chunk_tokens=self.chunk_tokens, page_size=self.page_size)
@@ -103,6 +107,10 @@ class BenchConfig:
         self.layout  # noqa: B018 - validates the layout (dtype, sizes)
         for tp in (self.prefill_tp, self.decode_tp):
             heads_of_rank(shape.num_kv_heads, tp, 0)  # validates each TP size against the KV heads
+
+    def times_slice(self, round_index: int) -> bool:
+        """Whether timed round `round_index` (from 1) runs the per-slice path too."""
+        return self.slice_rounds is None or round_index <= self.slice_rounds
 
     @property
     def shape(self) -> ModelShape:

@@ -7,7 +7,8 @@ Owns the run's sequence and the arithmetic of its results:
 2. an untimed warm-up of the raw bulk path (which also opens the per-slice path's connections; every bulk write
    must land bit-exact) and of the staged path (agents' connections, handshakes, first-touch page faults);
 3. `repeats` timed rounds, each running staged, per-slice and raw one after the other (interleaved, so that
-   drift in the machine's load hits all three alike). Between the first round's per-slice and raw runs, the bytes
+   drift in the machine's load hits all three alike; `slice_rounds` leaves the slow per-slice path out of the later
+   rounds). Between the first round's per-slice and raw runs, the bytes
    are verified: decode's digest of every head the staged path landed equals prefill's digest of that head, and
    the per-slice path landed byte-for-byte what the staged path landed, in every used slot of every request.
 
@@ -322,7 +323,8 @@ class _Cluster:
 
 def total_steps(config: BenchConfig) -> int:
     """How many times `run_bench` calls `step`: start-up, two warm-up stages, then one per path per round."""
-    return 3 + len(PATHS) * config.repeats
+    rounds = range(1, config.repeats + 1)
+    return 3 + sum(1 for r in rounds for p in PATHS if p != "slice" or config.times_slice(r))
 
 
 def run_bench(config: BenchConfig, step: Step | None = None) -> BenchResult:
@@ -347,6 +349,8 @@ def run_bench(config: BenchConfig, step: Step | None = None) -> BenchResult:
         ops: dict[str, int] = {}
         for round_index in range(1, config.repeats + 1):
             for path in PATHS:
+                if path == "slice" and not config.times_slice(round_index):
+                    continue
                 announce(f"round {round_index}/{config.repeats}: {path}")
                 wall, ops[path], busy, chunks = cluster.run(path, round_index)
                 seconds[path].append(wall)
