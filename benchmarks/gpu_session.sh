@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on a lent GPU machine (docs/gpu.md): every `gpu` test, the gather/scatter benchmark in device time and
 # per call, and `kvstage bench --backend cuda_ipc --device cuda`; each step's log goes to $OUT (default ./out).
-# Missing wheels (msgspec, pyzmq, etcd3gw: docs/gpu.md) are installed from .whl/ when it exists. Each step has
+# Missing wheels (msgspec, pyzmq: docs/gpu.md) are installed from .whl/ when it exists. Each step has
 # its own time limit, so a stuck step costs only its own share of the call. Usage: bash
 # benchmarks/gpu_session.sh [STEP ...], in the order
 # given (default: tests gs_device gs_call bench; also gs_shapes, the other shapes in device time, bench_c4, the

@@ -175,3 +175,9 @@ def test_an_etcd_address_names_its_namespace_and_lease():
     where = EtcdAddress.parse("etcd://10.0.0.1:2379/fleet-a?lease_s=30")
     assert (where.host, where.port, where.namespace, where.lease_s) == ("10.0.0.1", 2379, "fleet-a", 30)
     assert where.key("P/0") == b"/fleet-a/peers/P/0"
+
+
+def test_open_directory_sends_exactly_the_addresses_the_etcd_client_parses_to_it() -> None:
+    from kvstage.transport import directory, etcd
+
+    assert directory.ETCD_SCHEME == etcd.SCHEME

@@ -6,7 +6,8 @@ address's scheme. `follow` asks for a client that is looked up again and again (
 a mirror fed by a watch and calls `on_change` when a record changes; the bootstrap client has no push and ignores
 both (its callers poll).
 
-Invariants: a client is for one thread; every call is bounded by `timeout_s`. Called by runtime/ (agents and their
+Invariants: a client is for one thread; every call is bounded by `timeout_s`; etcd's client is imported only for an
+etcd address, so a deployment without etcd needs no etcd3gw. Called by runtime/ (agents and their
 resolver) and router/.
 """
 
@@ -16,7 +17,9 @@ from collections.abc import Callable
 from typing import Protocol
 
 from kvstage.transport.bootstrap import BootstrapClient, InstanceEntry, PeerRecord, Role
-from kvstage.transport.etcd import EtcdDirectory, is_etcd
+
+#: The scheme of a directory on etcd; its client (and the etcd3gw package) is imported only for such an address.
+ETCD_SCHEME = "etcd"
 
 
 class Directory(Protocol):
@@ -53,6 +56,8 @@ def open_directory(
 ) -> Directory:
     """The client for `address`: `etcd://HOST:PORT[/NAMESPACE][?lease_s=N]` or `kvstage bootstrap`'s
     `tcp://HOST:PORT` (`ConfigError` for a malformed etcd address)."""
-    if is_etcd(address):
+    if address.startswith(f"{ETCD_SCHEME}://"):
+        from kvstage.transport.etcd import EtcdDirectory
+
         return EtcdDirectory(address, timeout_s=timeout_s, secret=secret, follow=follow, on_change=on_change)
     return BootstrapClient(address, timeout_s=timeout_s, secret=secret)

@@ -60,7 +60,7 @@ from kvstage.transport.bootstrap import (
 
 log = logging.getLogger(__name__)
 
-SCHEME: Final = "etcd"
+SCHEME: Final = "etcd"  # transport/directory.py sends addresses of this scheme here (ETCD_SCHEME)
 DEFAULT_NAMESPACE: Final = "kvstage"
 #: How long a record outlives its owner's last lease renewal, by default.
 DEFAULT_LEASE_S: Final = 15
@@ -107,10 +107,6 @@ class EtcdAddress:
 
     def __str__(self) -> str:
         return f"etcd {self.host}:{self.port}"
-
-
-def is_etcd(address: str) -> bool:
-    return address.startswith(f"{SCHEME}://")
 
 
 def _b64(data: bytes) -> str:
