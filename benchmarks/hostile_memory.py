@@ -28,11 +28,10 @@ import sys
 import time
 from pathlib import Path
 
-import zmq
-
 from kvstage.dataplane import KVPool
+from kvstage.e2e.stranger import Stranger
 from kvstage.layout import KVLayout
-from kvstage.protocol import Codec, Timing
+from kvstage.protocol import Timing
 from kvstage.protocol.codec import DEFAULT_MAX_FRAME_BYTES
 from kvstage.protocol.messages import (
     MAX_PAGES,
@@ -46,7 +45,6 @@ from kvstage.protocol.messages import (
     StagingRequest,
 )
 from kvstage.runtime import AgentConfig, DecodeAgent, PrefillAgent
-from kvstage.transport.auth import FrameAuth
 from kvstage.transport.bootstrap import BootstrapServer
 
 SECRET = b"hostile memory benchmark secret!"
@@ -116,30 +114,6 @@ class Child:
         self.proc.wait(30)
 
 
-# ---- the sender ----------------------------------------------------------------------------------------------------
-class Sender:
-    def __init__(self, address: str, secret: bytes | None) -> None:
-        self.address = address
-        self.auth = None if secret is None else FrameAuth(secret)
-        self.codec = Codec()
-        self.sock = zmq.Context.instance().socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.SNDHWM, 0)
-        self.sock.connect(address)
-        self.seq = 0
-
-    def frame(self, sender: str, session: int, body: Body) -> bytes:
-        self.seq += 1
-        return self.seal(self.codec.encode(Envelope(PROTOCOL_VERSION, sender, session, 0, self.seq, None, body)))
-
-    def seal(self, payload: bytes) -> bytes:
-        """`payload` as sent: sealed anew each time (a frame sent twice is dropped as a replay)."""
-        return payload if self.auth is None else self.auth.seal(payload, self.address.encode())
-
-    def close(self) -> None:
-        self.sock.close(linger=0)
-
-
 def near_limit_metadata(room: int) -> Metadata:
     """A valid direct-path Metadata whose frame is just under DEFAULT_MAX_FRAME_BYTES: MAX_PAGES page ids, enough
     of them above 2**32 (9 msgpack bytes each, the others 5) to fill the frame."""
@@ -149,7 +123,7 @@ def near_limit_metadata(room: int) -> Metadata:
                     chunk_tokens=8, page_size=4, path="direct", epoch=1, ttl_s=30.0, pages=pages)  # fmt: skip
 
 
-def fuzz_frame(rng: random.Random, sender: Sender, registered: list[tuple[str, int]]) -> bytes:
+def fuzz_frame(rng: random.Random, sender: Stranger, registered: list[tuple[str, int]]) -> bytes:
     if rng.random() < 0.2:
         return rng.randbytes(rng.randrange(1, 200))
     room = rng.randrange(1, 1000)
@@ -159,8 +133,8 @@ def fuzz_frame(rng: random.Random, sender: Sender, registered: list[tuple[str, i
     if rng.random() < 0.5:
         name, session = rng.choice(registered)
         session += rng.choice((-1, 0, 1, rng.getrandbits(40)))  # stale, current, a restart, a stranger's
-        return sender.frame(name, max(0, session), body)
-    return sender.frame(f"evil-{rng.randrange(10**6)}/0", rng.getrandbits(62), body)
+        return sender.frame(name, body, max(0, session))
+    return sender.frame(f"evil-{rng.randrange(10**6)}/0", body, rng.getrandbits(62))
 
 
 # ---- scenarios -----------------------------------------------------------------------------------------------------
@@ -169,14 +143,14 @@ def run_near_limit(insider: bool) -> float:
         child = Child(bootstrap.address, SECRET)
         prefill = PrefillAgent(agent_config("P", 0, 2, bootstrap.address, SECRET), KVPool.for_rank(LAYOUT, 2, 0, 8))
         prefill.start()
-        sender = Sender(child.address, SECRET)
+        sender = Stranger(child.address, SECRET)
         try:
             name, session = (prefill.peer_id, prefill.session) if insider else ("evil/0", 7)
             payload = sender.codec.encode(Envelope(PROTOCOL_VERSION, name, session, 0, 1, None, near_limit_metadata(1)))
             time.sleep(0.5)
             base = child.ask("reset-peak")
             for _ in range(NEAR_LIMIT_FRAMES):
-                sender.sock.send(sender.seal(payload), copy=False)
+                sender.send_raw(sender.seal(payload))
             after = child.wait_handled(base["handled"] + NEAR_LIMIT_FRAMES)
         finally:
             sender.close()
@@ -190,7 +164,7 @@ def run_fuzz() -> float:
         child = Child(bootstrap.address, None)
         prefill = PrefillAgent(agent_config("P", 0, 2, bootstrap.address, None), KVPool.for_rank(LAYOUT, 2, 0, 8))
         prefill.start()
-        sender = Sender(child.address, None)
+        sender = Stranger(child.address, None)
         rng = random.Random(26)
         try:
             time.sleep(0.5)
@@ -198,7 +172,7 @@ def run_fuzz() -> float:
             registered = [(prefill.peer_id, prefill.session)]
             for start in range(0, FUZZ_FRAMES, 1000):
                 for _ in range(1000):
-                    sender.sock.send(fuzz_frame(rng, sender, registered))
+                    sender.send_raw(fuzz_frame(rng, sender, registered))
                 child.wait_handled(base["handled"] + start + 1000 - 5000)  # keep at most ~5,000 frames in flight
             after = child.wait_handled(base["handled"] + FUZZ_FRAMES)
         finally:

@@ -1,9 +1,9 @@
-"""A real decode agent with its bootstrap service, the prefill instances that serve it, and a hostile sender.
+"""A real decode agent with its bootstrap service and the prefill instances that serve it.
 
 Shared by the tests of this directory: `Deployment` runs one decode rank (TP=1) in this process; `instance()`
 starts a legitimate prefill instance (TP=2, in this process) and `run_room` hands one room from it to decode.
-`Stranger` is a raw ZeroMQ DEALER that sends kvstage frames to decode's control socket under any sender id, as an
-attacker who can reach the port would.
+The tests send hostile frames with `Stranger` (kvstage.e2e.stranger), a raw ZeroMQ DEALER at the control socket
+under any sender id.
 """
 
 from __future__ import annotations
@@ -16,16 +16,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import zmq
-
 from kvstage.dataplane import KVPool
 from kvstage.layout import KVLayout
-from kvstage.protocol import Codec, Limits, Timing
+from kvstage.protocol import Limits, Timing
 from kvstage.protocol.codec import DEFAULT_MAX_FRAME_BYTES
-from kvstage.protocol.messages import PROTOCOL_VERSION, Body, Envelope
 from kvstage.runtime import AgentConfig, DecodeAgent, PrefillAgent, RoomOutcome, peer_id
 from kvstage.runtime.outbox import ParkLimits
-from kvstage.transport.auth import FrameAuth
 from kvstage.transport.bootstrap import BootstrapServer
 from kvstage.transport.control import ChannelConfig
 
@@ -167,36 +163,6 @@ class Deployment:
     def close(self) -> None:
         self.decode.close()
         self.bootstrap.close()
-
-
-class Stranger:
-    """A raw DEALER at decode's control socket, sending frames under any sender id (sealed with `secret` if
-    given: the right one makes it an insider, a wrong one a forger)."""
-
-    def __init__(self, address: str, secret: bytes | None = None) -> None:
-        self.address = address
-        self.auth = None if secret is None else FrameAuth(secret)
-        self.codec = Codec()
-        self.sock = zmq.Context.instance().socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.SNDHWM, 0)
-        self.sock.connect(address)
-        self.seq = 0
-
-    def send(self, sender: str, body: Body, session: int = 1, epoch: int = 0) -> bytes:
-        """Send one envelope; returns the frame as sent (to replay it)."""
-        self.seq += 1
-        frame = self.codec.encode(Envelope(PROTOCOL_VERSION, sender, session, epoch, self.seq, None, body))
-        if self.auth is not None:
-            frame = self.auth.seal(frame, self.address.encode())
-        self.sock.send(frame)
-        return frame
-
-    def send_raw(self, frame: bytes) -> None:
-        self.sock.send(frame)
-
-    def close(self) -> None:
-        self.sock.close(linger=0)
 
 
 class DecodeProcess:

@@ -7,8 +7,9 @@ import time
 
 import pytest
 import zmq
-from deployment import Deployment, Stranger, prefill_instance
+from deployment import Deployment, prefill_instance
 
+from kvstage.e2e.stranger import Stranger
 from kvstage.errors import ConfigError, TransportError
 from kvstage.protocol.messages import Heartbeat
 from kvstage.transport.auth import SECRET_ENV, FrameAuth, ReplayWindow, load_secret

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import time
 
-from deployment import DecodeProcess, Stranger, prefill_instance
+from deployment import DecodeProcess, prefill_instance
 
+from kvstage.e2e.stranger import Stranger
 from kvstage.protocol.codec import DEFAULT_MAX_FRAME_BYTES
 from kvstage.protocol.messages import MAX_PAGES, PROTOCOL_VERSION, Envelope, Metadata
 from kvstage.transport.bootstrap import BootstrapServer

@@ -14,8 +14,9 @@ from contextlib import contextmanager
 
 import msgspec
 import pytest
-from deployment import PATIENT, Caps, Deployment, Stranger, prefill_instance, start_room, wait_outcomes
+from deployment import PATIENT, Caps, Deployment, prefill_instance, start_room, wait_outcomes
 
+from kvstage.e2e.stranger import Stranger
 from kvstage.protocol import Limits
 from kvstage.protocol.messages import PROTOCOL_VERSION, Abort, Heartbeat, Metadata, StagingRequest
 from kvstage.runtime import DecodeAgent, PrefillAgent

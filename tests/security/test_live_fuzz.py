@@ -13,8 +13,9 @@ import json
 import random
 import time
 
-from deployment import DecodeProcess, Stranger, prefill_instance, start_room, wait_outcomes
+from deployment import DecodeProcess, prefill_instance, start_room, wait_outcomes
 
+from kvstage.e2e.stranger import Stranger
 from kvstage.protocol.messages import PROTOCOL_VERSION, Abort, Body, ChunkReady, Envelope, Heartbeat, StagingRequest
 from kvstage.transport.auth import FrameAuth
 from kvstage.transport.bootstrap import BootstrapServer
