@@ -174,12 +174,15 @@ def test_a_gather_waits_on_the_engines_ready_event_and_the_host_never_does(clust
     prefill, decode = cluster(2, 1)
     _warm_up(prefill, decode)
     [reader] = decode
-    # the control first: the copy stream runs gathers in order, so a gather behind room 5's would wait too
     with StreamGate() as gate:
-        sides = {room: _room_written_on_a_held_stream(prefill, reader, room, with_event, gate) for room, with_event
-                 in ((6, False), (5, True))}  # fmt: skip
-        control = wait_outcomes(reader, 1, timeout=60)  # room 6's gather did not wait for the engine's stream
-    outcomes = control | wait_outcomes(reader, 1, timeout=60)
+        # the control ends before room 5 starts: the copy stream runs gathers in order, and one of the control's
+        # behind room 5's first gather would wait for the engine's stream too (until the gate's own time limit)
+        sides = {6: _room_written_on_a_held_stream(prefill, reader, 6, False, gate)}
+        control = wait_outcomes(reader, 1, timeout=30)  # room 6's gathers did not wait for the engine's stream
+        sides[5] = _room_written_on_a_held_stream(prefill, reader, 5, True, gate)
+        # each rank's first write is posted, so its gather is queued on the copy stream, before the engine's KV is
+        _until(lambda: all(writer._in_flight for writer in prefill), "room 5's writes are posted")
+    outcomes = control | wait_outcomes(reader, 1, timeout=30)
     assert outcomes[5].ok and outcomes[6].ok, outcomes
     assert _landed(decode, sides[5]), "a gather read pages the engine had not written yet"
     assert not _landed(decode, sides[6]), "control: without the event the gather should read the pages too early"
