@@ -167,6 +167,29 @@ def test_n_children_sharing_one_routers_room_each_get_a_room_and_their_kv(make_p
     assert_clean(pair)
 
 
+def test_an_n_child_that_arrives_after_its_sibling_finished_on_prefill_gets_a_room_of_its_own(
+    make_pair: Callable[..., Pair],
+) -> None:
+    """vLLM adds an n>1 request's children one at a time, and prefill (one token) may finish the first before the
+    second arrives. At 4975b2d the second then got the first's room: prefill refused it as already attached and
+    held the first's blocks for good, decode waited out the room deadline for the second (seen end to end: n=2
+    through the router took 30 s, and P2 kept 2 blocks for the rest of the session)."""
+    pair = make_pair()
+    same = prompt(75, 120)
+    pair.prefill.add("0_req", same, pair.params(75, pair.prefill), max_tokens=1)
+    pair.decode.add("0_req", same, pair.params(75, pair.decode), max_tokens=3)
+    for _ in range(1000):
+        if "0_req" in pair.prefill.answers:
+            break
+        pair.step()
+    assert "0_req" in pair.prefill.answers, "prefill did not finish the first child"
+    pair.send("1_req", same, room=75)
+    pair.run()
+    assert pair.intact == {"0_req", "1_req"}
+    assert len(pair.prefill.rooms) == len(pair.decode.rooms) == 2
+    assert_clean(pair)
+
+
 def test_a_list_of_prompts_sharing_one_routers_room_each_get_their_own_kv(make_pair: Callable[..., Pair]) -> None:
     pair = make_pair()
     for i in range(2):

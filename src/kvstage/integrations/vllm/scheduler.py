@@ -22,9 +22,11 @@ scheduler hooks into per-step records for the workers (`metadata.StepRecords`):
                            to decode; the blocks stay until decode's ranks took the KV or the room's deadline.
 
 Invariants: no hook raises (a failure is logged, counted, and the request runs without kvstage; a decode request
-already promised remote KV is reported failed so that vLLM recomputes it); a room id is given to one request only;
-every record is emitted once; the tables here shrink as requests finish, so they are bounded by the requests vLLM
-holds.
+already promised remote KV is reported failed so that vLLM recomputes it); a room id is given to one request only
+(siblings are numbered in arrival order, and a group's count outlives its last live request: vLLM adds an n > 1
+request's children one at a time, and prefill may finish one before the next arrives); every record is emitted
+once; the tables here shrink as requests finish, so they are bounded by the requests vLLM holds, but for the
+counts of the last `SIBLING_MEMORY` finished sibling groups.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from __future__ import annotations
 import functools
 import logging
 import secrets
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -59,6 +61,11 @@ log = logging.getLogger("kvstage.vllm")
 
 _R = TypeVar("_R")
 _NO_PARAMS: dict[str, Any] | None = None
+
+#: Finished sibling groups (router room, prompt digest) whose count is remembered: a child that arrives after all of
+#: its earlier siblings finished goes on numbering from there. vLLM adds the children of one request back to back,
+#: so only the groups that finish in between have to fit.
+SIBLING_MEMORY = 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,6 +129,7 @@ class SchedulerSide:
         self._tickets: dict[str, Ticket | None] = {}  # every live request: its ticket, or None (no kvstage)
         self._sibling_seen: Counter[tuple[int, bytes]] = Counter()  # (router room, prompt) -> requests seen
         self._sibling_live: Counter[tuple[int, bytes]] = Counter()  # ... and still live
+        self._sibling_done: OrderedDict[tuple[int, bytes], int] = OrderedDict()  # finished groups: requests seen
         self._waiting: dict[str, Ticket] = {}  # decode: requests whose KV is on its way
         self._tried: set[str] = set()  # decode: requests that had their room (at most one each, until they finish)
         self._prefilling: dict[str, _PrefillRequest] = {}  # prefill: requests being computed
@@ -154,6 +162,8 @@ class SchedulerSide:
         elif parsed is not None:
             digest = prompt_digest(request.prompt_token_ids or ())
             key = (parsed.room, digest)
+            if key in self._sibling_done:  # its earlier siblings all finished before it arrived
+                self._sibling_seen[key] = self._sibling_done.pop(key)
             ticket = Ticket(parsed, child_room(parsed.room, digest, self._sibling_seen[key]), digest)
             self._sibling_seen[key] += 1
             self._sibling_live[key] += 1
@@ -168,13 +178,17 @@ class SchedulerSide:
         return RoomParams(secrets.randbelow(MAX_ROOM) + 1, "", 0)
 
     def _release_ticket(self, req_id: str) -> Ticket | None:
-        """The finished request's ticket, forgotten (with its siblings' count once the last of them is gone)."""
+        """The finished request's ticket, forgotten (its siblings' count moves to the finished groups once the last
+        of them is gone)."""
         ticket = self._tickets.pop(req_id, None)
         if ticket is not None:
             key = ticket.siblings
             self._sibling_live[key] -= 1
             if self._sibling_live[key] <= 0:
-                del self._sibling_live[key], self._sibling_seen[key]
+                self._sibling_done[key] = self._sibling_seen.pop(key)
+                del self._sibling_live[key]
+                if len(self._sibling_done) > SIBLING_MEMORY:
+                    self._sibling_done.popitem(last=False)
         return ticket
 
     # ---- decode -------------------------------------------------------------------------------------------
