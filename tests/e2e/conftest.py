@@ -2,9 +2,10 @@
 the end-to-end tests of this folder: a bootstrap service, prefill instances P2 (TP=2) and P1 (TP=1), decode
 instances D1 (TP=1) and D2 (TP=2), and one kvstage router per set of instances under test.
 
-Servers start once per session, together (about 2-4 min on 2 cores); so does PS, a prefill instance (TP=1) with a
-tiny KV cache, when a collected test asks for it (the `small_prefill` fixture), and so does D32, a decode instance
-(TP=1) of 32-token blocks against the others' 128 (the `small_blocks` fixture). MP2 and MD1, an MLA pair (prefill
+Servers start once per session, together, without torch.compile (`enforce_eager`: the six took 300 s to start
+with it on 2 cores, 138 s without); so does PS, a prefill instance (TP=1) with a tiny KV cache, when a collected
+test asks for it (the `small_prefill` fixture), and so does D32, a decode instance (TP=1) of 32-token blocks
+against the others' 128 (the `small_blocks` fixture). MP2 and MD1, an MLA pair (prefill
 TP=2, decode TP=1) serving the tiny DeepSeek-V2 model, start once the cluster is up, when a test asks for them
 (`mla_pair`): started with it, seven servers on 2 cores missed the 600 s start bound. A test may add a server of
 its own (`Cluster.start`), which lives until the session ends or a test kills it. The tests that kill an instance
@@ -114,6 +115,7 @@ class Cluster:
             "report_dir": str(self.reports),
             "dev_mode": True,
             "extra_config": EXTRA_CONFIG,
+            "enforce_eager": True,
         }
         values.update(fields)
         return VLLMServerSpec(role, name, tp, free_port(), bootstrap=self.bootstrap.url, **values)

@@ -198,6 +198,9 @@ class VLLMServerSpec:
     extra_config: tuple[tuple[str, object], ...] = ()
     max_model_len: int = MAX_MODEL_LEN
     extra_args: tuple[str, ...] = ()  # more vLLM flags, e.g. ("--num-gpu-blocks-override", "12")
+    #: vLLM's --enforce-eager: no torch.compile of the model at start (on a loaded 2-core host, compiling took 1-2
+    #: minutes per server; the tests' tiny model runs as fast without it)
+    enforce_eager: bool = False
     placement: Placement = LOCAL
     extra_env: tuple[tuple[str, str], ...] = ()  # more environment, e.g. UCX's settings
 
@@ -247,6 +250,7 @@ class VLLMServerSpec:
                 str(self.tp),
                 "--kv-transfer-config",
                 json.dumps(self.kv_transfer_config()),
+                *(("--enforce-eager",) if self.enforce_eager else ()),
                 *self.extra_args,
             ]
         )
