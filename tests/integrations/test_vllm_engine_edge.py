@@ -38,13 +38,21 @@ def bootstrap() -> Iterator[str]:
 
 @pytest.fixture
 def make_pair(model: Path, bootstrap: str) -> Iterator[Callable[..., Pair]]:
-    """A prefill (TP 2 unless told) and a decode engine (TP 1), closed after the test."""
+    """A prefill (TP 2 unless told) and a decode engine (TP 1), closed after the test; `prefill` are more fields of
+    the prefill engine, `decode_room_timeout_s` decode's room deadline (the harness's default unless given)."""
     made: list[Pair] = []
 
-    def make(prefill_tp: int = 2, decode_tp: int = 1, async_scheduling: bool = False, **prefill: Any) -> Pair:
+    def make(
+        prefill_tp: int = 2,
+        decode_tp: int = 1,
+        async_scheduling: bool = False,
+        decode_room_timeout_s: float | None = None,
+        **prefill: Any,
+    ) -> Pair:
+        decode: dict[str, Any] = {} if decode_room_timeout_s is None else {"room_timeout_s": decode_room_timeout_s}
         pair = Pair(
             Engine("prefill", "P", prefill_tp, model, bootstrap, async_scheduling=async_scheduling, **prefill),
-            Engine("decode", "D", decode_tp, model, bootstrap, async_scheduling=async_scheduling),
+            Engine("decode", "D", decode_tp, model, bootstrap, async_scheduling=async_scheduling, **decode),
         )
         made.append(pair)
         return pair
@@ -242,7 +250,8 @@ def test_a_request_prefill_gives_up_before_attaching_fails_decodes_room_within_s
 
 
 def test_a_room_paired_with_another_prompt_fails_instead_of_landing(make_pair: Callable[..., Pair]) -> None:
-    pair = make_pair()
+    """Both rooms end at their deadline (prefill's blocks are held until then): 3 s here, not the harness's 20 s."""
+    pair = make_pair(room_timeout_s=3.0, decode_room_timeout_s=3.0)
     pair.decode.add("r", prompt(96, 100), pair.params(96, pair.decode))
     pair.prefill.add("r", prompt(97, 100), pair.params(96, pair.prefill), max_tokens=1)  # a misrouted room
     pair.run()
