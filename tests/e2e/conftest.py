@@ -10,8 +10,8 @@ TP=2, decode TP=1) serving the tiny DeepSeek-V2 model, start once the cluster is
 (`mla_pair`): started with it, seven servers on 2 cores missed the 600 s start bound. A test may add a server of
 its own (`Cluster.start`), which lives until the session ends or a test kills it. The tests that kill an instance
 (or may leave one dead) are named `test_z...`: they run after every other test of this folder, in the order of
-their names, whatever module they are in (`pytest_collection_modifyitems` below), and take only the instances they
-kill.
+their names, whatever module they are in, and take only the instances they kill. The folder itself runs after the
+rest of the session, so that the servers stop once its tests are done (`pytest_collection_modifyitems` below).
 """
 
 from __future__ import annotations
@@ -64,18 +64,19 @@ START_TIMEOUT_S = 600.0
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """This folder's `test_z...` tests (they kill instances of the shared cluster) run after its other tests, of
-    every module, and in the order of their names. The rest of the session keeps its order. The first test that uses
-    the cluster starts it: its time limit (pytest-timeout, 300 s a test in pyproject.toml) grows by the
+    """This folder's tests run after every other test of the session: the cluster's servers live until the session
+    ends, and idle they still poll (each vLLM worker wakes every 0.2 ms, KVSTAGE_VLLM_NO_SPIN), which took CPU from
+    the rest of the suite when they started halfway through it. Its `test_z...` tests (they kill instances of the
+    shared cluster) run after its other tests, of every module, and in the order of their names. The first test
+    that uses the cluster starts it: its time limit (pytest-timeout, 300 s a test in pyproject.toml) grows by the
     cluster's own bound."""
     here = Path(__file__).parent
-    ours = [item for item in items if here in item.path.parents]
-    last = sorted((item for item in ours if item.name.startswith("test_z")), key=lambda item: item.name)
-    if last:
-        others = [item for item in ours if not item.name.startswith("test_z")]
-        rest = [item for item in items if item not in last]
-        at = rest.index(others[-1]) + 1 if others else min(items.index(item) for item in last)
-        items[:] = [*rest[:at], *last, *rest[at:]]
+    ours = {id(item) for item in items if here in item.path.parents}
+    rest = [item for item in items if id(item) not in ours]
+    folder = [item for item in items if id(item) in ours]
+    last = sorted((item for item in folder if item.name.startswith("test_z")), key=lambda item: item.name)
+    others = [item for item in folder if not item.name.startswith("test_z")]
+    items[:] = [*rest, *others, *last]
     first = next((item for item in items if "cluster" in getattr(item, "fixturenames", ())), None)
     if first is not None:
         first.add_marker(pytest.mark.timeout(300 + START_TIMEOUT_S))
