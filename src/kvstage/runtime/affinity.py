@@ -9,10 +9,8 @@ those CPUs, and so is every thread they start later; the caller's own mask is re
 Why. An engine may pin its compute thread to a core: vLLM's CPU backend binds each worker's OpenMP threads, the
 worker's main thread included, one rank to one core (`VLLM_CPU_OMP_THREADS_BIND`). Threads the connector started
 from that thread inherited the one core, so a TP=1 decode and the TP=2 prefill's rank 0 ran every kvstage thread of
-both on core 0 beside their model threads, while the threads of other processes could use both cores. Measured on
-the 2-core test host (`kvstage demo --hosts 3 --backend mooncake`, before this): all 62 threads of decode's worker
-on CPU 0 but one OpenMP thread, 22 of them runnable and not running at a time, Mooncake's receiving thread leaving
-whole 256 KiB writes unread in its socket for seconds, and rooms failing after Mooncake's 30 s transfer timeout.
+both on core 0 beside their model threads, while the threads of other processes could use both cores (seen on the
+2-core test host: all 62 threads of decode's worker on CPU 0 but one OpenMP thread).
 
 The union of the masks of this process's threads is what the process as a whole was allowed (an engine narrows
 the masks of some threads, it does not widen any), so spreading never takes a thread outside a `taskset` or cpuset
