@@ -9,7 +9,8 @@ Owns, for both DecodeEndpoint and PrefillEndpoint:
   and the new one is served at once. A fenced incarnation's frames are dropped and answered with `Fenced`, so a live
   but partitioned peer bumps its epoch towards us and is served again. A peer silent past
   `Timing.dead_after_s` is declared dead: its rooms are lost with reason "peer dead", its incarnation fenced,
-  and it is pruned from the table (and from every broadcast);
+  and it is pruned from the table (and from every broadcast). Silence counts only while this endpoint ran: time
+  it was stalled itself (a heartbeat tick more than a heartbeat period late) is credited to every peer;
 - the writer lease clocks: every envelope carries `stamp` (our `now`) and `echo` (the highest stamp heard from the
   addressee's current incarnation); an echo of one of our own stamps, from a peer, renews `lease_until(peer)`:
   the peer received a frame we sent at that time, so it heard from us then (docs/protocol.md, "Writer leases");
@@ -350,6 +351,18 @@ class EndpointCore(ABC):
         for peer_id in [p for p, fence in self._fenced.items() if fence.release_at <= self._now]:
             del self._fenced[peer_id]
 
+    def _credit_own_stall(self, late: float) -> None:
+        """R8 counts a peer's silence only while this endpoint ran. A heartbeat tick more than a heartbeat period
+        late means this endpoint (its thread, its process, or its whole machine) did not run for that long and heard
+        nobody: that time is not the peers' silence, so each peer's last-heard time moves on by it (never past now).
+        A peer that is really gone is then declared dead that much later, which only delays the release of what it
+        held (later is the safe side for every quarantine); a live peer whose frames were waiting is heard first."""
+        if late <= self.timing.heartbeat_s:
+            return
+        self.stats.own_stalls += 1
+        for peer in self._peers.values():
+            peer.last_heard = min(self._now, peer.last_heard + late)
+
     def _check_liveness(self) -> None:
         """R8: a peer silent past dead_after_s is dead; with rooms it is fenced, in any case it is pruned."""
         self._release_fences()
@@ -423,6 +436,7 @@ class EndpointCore(ABC):
         for when, room in self._deadlines.pop_due(now):
             self._on_deadline(when, room)
         if self._next_heartbeat is not None and now >= self._next_heartbeat:
+            self._credit_own_stall(now - self._next_heartbeat)
             self._check_liveness()
             for peer_id in self._peers:
                 self._send(peer_id, Heartbeat())

@@ -25,6 +25,7 @@ class EndpointStats:
     refusals_received: int = 0  # GrantRefused received
     sends_failed: int = 0  # SendFailed events
     peers_dead: int = 0  # peers declared dead (R8)
+    own_stalls: int = 0  # heartbeat ticks that came a heartbeat period late: this endpoint was stalled (R8)
     peers_restarted: int = 0  # newer incarnation seen (restart or re-epoch)
     lease_waits: int = 0  # prefill: a writable chunk parked because its decode peer's lease had lapsed
     quarantine_timers: int = 0  # decode: a restarted writer's rooms held until its old writes cannot land
@@ -46,6 +47,7 @@ class EndpointStats:
             "refusals_received": self.refusals_received,
             "sends_failed": self.sends_failed,
             "peers_dead": self.peers_dead,
+            "own_stalls": self.own_stalls,
             "peers_restarted": self.peers_restarted,
             "lease_waits": self.lease_waits,
             "quarantine_timers": self.quarantine_timers,

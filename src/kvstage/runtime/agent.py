@@ -77,6 +77,7 @@ from kvstage.protocol import (
 from kvstage.protocol.codec import body_tags
 from kvstage.protocol.messages import Envelope
 from kvstage.protocol.reasons import INVALID_REQUEST
+from kvstage.runtime.affinity import spread_threads
 from kvstage.runtime.config import AgentConfig, AgentSnapshot, RoomOutcome, check_peer
 from kvstage.runtime.copier import Copier, CopyDone
 from kvstage.runtime.directory import Resolver
@@ -159,8 +160,13 @@ class BaseAgent(PeerLinks):
     def start(self) -> BaseAgent:
         """Create the transport and memory, bind the control channel, register with the bootstrap, start threads.
 
-        Blocking (network), so call it at engine start-up, not on the scheduler path.
+        Blocking (network), so call it at engine start-up, not on the scheduler path. Every thread it starts may run on
+        every CPU of the process, even when the calling thread is pinned to fewer (affinity.py).
         """
+        with spread_threads(self.peer_id):
+            return self._start()
+
+    def _start(self) -> BaseAgent:
         self.transport = create_transport(self.config.bounded_transport)
         self.transport.on_completion(lambda: self._events.put(_WAKE))
         try:

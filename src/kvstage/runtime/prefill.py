@@ -72,6 +72,8 @@ log = logging.getLogger(__name__)
 
 #: Reasons given to a write the runtime cannot carry out (logged; the room fails with "transfer failed").
 NO_RING = "no staging ring known for the decode peer"
+#: How often a decode peer whose descriptors could not be imported is tried again (when a write to it is issued).
+IMPORT_RETRY_S = 1.0
 STALE_RING = "the decode peer restarted since it granted this region"
 NO_LOCAL_POOL = "this rank's KV pool is on {device}; the data transports write host memory, so no direct path"
 NO_ENGINE_DIRECT = "the two ranks' KV layouts differ (a KVPool and an engine's own, or two engines' blocks unlike)"
@@ -127,6 +129,7 @@ class PrefillAgent(BaseAgent):
         # decode peer -> (its session, its ring) and (its session, its KV, where its pages lie: a KVPool's geometry,
         # or an engine's blocks)
         self._rings: dict[str, tuple[int, RemoteRegion]] = {}
+        self._import_after: dict[str, float] = {}  # decode peer whose import failed -> when to try it again
         self._pools: dict[str, tuple[int, RemoteRegion, PoolGeometry | EngineBlocks]] = {}
         self._slab = StagingRing(config.staging_bytes, 64)
         self._waiting: deque[_Write] = deque()
@@ -241,10 +244,19 @@ class PrefillAgent(BaseAgent):
             # stay valid; re-importing would forget them under those writes
             return
         self._peer_fenced(record.peer_id)
+        self._import_peer(record)
+
+    def _import_peer(self, record: PeerRecord) -> None:
+        """Import a decode peer's ring (and pool or engine KV, for the direct path). An import that fails (NIXL
+        cannot reach the peer while a link is down, say) is tried again when a write to that peer is issued, at
+        most every IMPORT_RETRY_S (`_retry_import`): the peer is written to again once it can be reached, without
+        waiting for a record of a new incarnation."""
         ring = self._import(record, "ring")
         if ring is None:
             log.error("%s: decode peer %r published no usable ring descriptor", self.peer_id, record.peer_id)
+            self._import_after[record.peer_id] = time.monotonic() + IMPORT_RETRY_S
             return
+        self._import_after.pop(record.peer_id, None)
         self._rings[record.peer_id] = (record.session, ring)
         pool = self._import(record, "pool")
         if pool is not None:
@@ -270,6 +282,7 @@ class PrefillAgent(BaseAgent):
     def _peer_fenced(self, peer: str) -> None:
         for write, _, _ in self._queued.pop(peer, ()):  # their target memory is no longer the peer's
             self._end_unposted(write, f"{FENCED_PEER} ({peer})")
+        self._import_after.pop(peer, None)
         ring = self._rings.pop(peer, None)
         if ring is not None:
             self.transport.forget_remote(ring[1])
@@ -283,9 +296,20 @@ class PrefillAgent(BaseAgent):
         pool = self._pools.get(action.peer)
         return None if pool is None else (pool[0], pool[1])
 
+    def _retry_import(self, peer: str) -> None:
+        """Import a known decode peer's descriptors again if its last import failed and IMPORT_RETRY_S have passed."""
+        record = self._records.get(peer)
+        if record is None or peer in self._rings or peer not in self._import_after:
+            return
+        if time.monotonic() >= self._import_after[peer]:
+            self._import_peer(record)
+
     def _issue(self, action: WriteRegion | WriteDirect) -> None:
         """Start (or queue) one write, after checking that the target memory belongs to the granting session."""
         target = self._target(action)
+        if target is None:
+            self._retry_import(action.peer)
+            target = self._target(action)
         if target is None:
             reason = NO_RING if isinstance(action, WriteRegion) else NO_POOL
             if action.peer in self._records:
