@@ -17,9 +17,11 @@ is dead; the routers wait 30 s for a /health answer (the shared host was seen fr
   failed room names its reason, new rooms are handed off bit-exact on both instances after the heal without a
   restart (within RESUME_S: the first rooms after a cut may be recomputed), decode's ring drains, and the canary
   decode keeps in its free ring bytes (`ring_canary`) is intact: no write landed after its room released the space.
-- The default run has NIXL's cluster. Mooncake's (the same tests) is `slow` (MOONCAKE): writes stalled there until
-  Mooncake's 30 s timeout; its one-way cut is an expected failure besides (MOONCAKE_LATE_WRITES). NIXL beside a CPU
-  hog is `slow` too: a live prefill rank was still declared dead under the hog.
+- The default run has NIXL's cluster (about 2.6 min on the quiet host, 1.7 of them starting the servers); its
+  one-way cut is an expected failure that passes most runs (NIXL_STALE_ENDPOINT). Mooncake's cluster (the same
+  tests) is `slow` (MOONCAKE): writes stalled there until Mooncake's 30 s timeout; its one-way cut is an expected
+  failure besides (MOONCAKE_LATE_WRITES). NIXL beside a CPU hog is `slow` too: in 1 of 2 runs a live prefill rank
+  was declared dead under the hog.
 """
 
 from __future__ import annotations
@@ -355,10 +357,23 @@ MOONCAKE_LATE_WRITES = pytest.mark.xfail(
     reason="a Mooncake TCP write posted into a one-way cut lands after the heal (canary overwritten)", strict=False
 )
 
+#: In 1 of 5 runs over NIXL, one prefill rank's UCX endpoint to decode was closed during the one-way cut, and after the
+#: heal every write of that rank failed at once with NIXL_ERR_REMOTE_DISCONNECT (a "peer dead" room every few
+#: seconds, for the whole 90 s): the rank keeps the peer's import while the peer's session is unchanged, so NIXL never
+#: connects again (open: drop and re-import a live peer whose writes report it gone).
+NIXL_STALE_ENDPOINT = pytest.mark.xfail(
+    reason="a UCX endpoint closed during the cut is never re-created (1 of 5 runs)", strict=False
+)
+
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
-    "hosts", ["nixl", pytest.param("mooncake", marks=[pytest.mark.slow, MOONCAKE_LATE_WRITES])], indirect=True
+    "hosts",
+    [
+        pytest.param("nixl", marks=NIXL_STALE_ENDPOINT),
+        pytest.param("mooncake", marks=[pytest.mark.slow, MOONCAKE_LATE_WRITES]),
+    ],
+    indirect=True,
 )
 def test_a_one_way_cut_from_prefill_to_decode_ends_every_room_and_service_resumes(hosts: Hosts) -> None:
     p = Pair(hosts, "P2", "D1")
