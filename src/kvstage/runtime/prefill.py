@@ -253,7 +253,9 @@ class PrefillAgent(BaseAgent):
         waiting for a record of a new incarnation."""
         ring = self._import(record, "ring")
         if ring is None:
-            log.error("%s: decode peer %r published no usable ring descriptor", self.peer_id, record.peer_id)
+            log.error(
+                "%s: no usable ring of decode peer %r; tried again at its next write", self.peer_id, record.peer_id
+            )
             self._import_after[record.peer_id] = time.monotonic() + IMPORT_RETRY_S
             return
         self._import_after.pop(record.peer_id, None)
