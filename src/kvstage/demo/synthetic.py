@@ -62,6 +62,11 @@ DEMO_REQUESTS = (
 )
 
 
+OUTCOME_GRACE_S = 5.0
+"""How long past a room's deadline the demo still polls: an agent fails an expired room on its next turn, and a
+wait that ends exactly at the deadline can miss that outcome (and then keep the room's pages)."""
+
+
 @dataclass(frozen=True, slots=True)
 class DemoConfig:
     layout: KVLayout = DEMO_LAYOUT
@@ -71,7 +76,7 @@ class DemoConfig:
     ring_chunks: float = 2.5  # each decode ring holds this many full-chunk regions, so it wraps
     requests: tuple[DemoRequest, ...] = DEMO_REQUESTS
     seed: int = 0
-    timeout_s: float = 60.0  # room deadline, and how long the demo waits for outcomes
+    timeout_s: float = 60.0  # room deadline; the demo waits OUTCOME_GRACE_S longer for the outcomes it forces
     bootstrap: str = ""  # the directory to use (tcp:// or etcd://); "" starts a `BootstrapServer` of its own
 
 
@@ -311,7 +316,7 @@ class _Demo:
         """Poll every agent (as each engine's scheduler would) until each room has an outcome on every rank and
         `also()` holds, or the timeout passes."""
         wanted = {state.room for state in rooms}
-        deadline = time.monotonic() + self.config.timeout_s
+        deadline = time.monotonic() + self.config.timeout_s + OUTCOME_GRACE_S
         while time.monotonic() < deadline:
             for agent in self.agents:
                 self.outcomes[agent.peer_id].update((o.room, o) for o in agent.poll())
