@@ -360,8 +360,9 @@ MOONCAKE_LATE_WRITES = pytest.mark.xfail(
 #: In 1 of 6 runs over NIXL, one prefill rank's UCX endpoint to decode was closed during the one-way cut, and after the
 #: heal every write of that rank failed at once with NIXL_ERR_REMOTE_DISCONNECT (a "peer dead" room every few
 #: seconds, for the whole 90 s); in another the first room was handed off 67 s after the heal, in the rest within 1 s.
-#: The rank keeps the peer's import while the peer's session is unchanged, so nothing makes NIXL connect again (open:
-#: drop and re-import a live peer whose writes report it gone).
+#: The rank kept the peer's import while the peer's session was unchanged, so nothing made NIXL connect again. A rank
+#: now drops and re-imports a decode peer that answers while its writes fail as disconnected (runtime/prefill.py,
+#: `_reconnect`); the mark stays until the one-way cut is measured with that.
 NIXL_STALE_ENDPOINT = pytest.mark.xfail(
     reason="a UCX endpoint closed during the cut is not re-created (1 of 6 runs)", strict=False
 )
