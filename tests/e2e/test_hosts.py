@@ -18,10 +18,11 @@ is dead; the routers wait 30 s for a /health answer (the shared host was seen fr
   restart (within RESUME_S: the first rooms after a cut may be recomputed), decode's ring drains, and the canary
   decode keeps in its free ring bytes (`ring_canary`) is intact: no write landed after its room released the space.
 - The default run has NIXL's cluster (about 2.6 min on the quiet host, 1.7 of them starting the servers); its
-  one-way cut is an expected failure that passes most runs (NIXL_STALE_ENDPOINT). Mooncake's cluster (the same
-  tests) is `slow` (MOONCAKE): writes stalled there until Mooncake's 30 s timeout; its one-way cut is an expected
-  failure besides (MOONCAKE_LATE_WRITES). NIXL beside a CPU hog is `slow` too: in 1 of 2 runs a live prefill rank
-  was declared dead under the hog.
+  one-way cut passed 5 of 5 runs once a prefill rank made its UCX endpoints to a live decode peer again after they
+  failed (it was an expected failure before: 1 of 6 runs never handed a room off after the heal). Mooncake's cluster
+  (the same tests) is `slow` (MOONCAKE): writes stalled there until Mooncake's 30 s timeout; its one-way cut is an
+  expected failure besides (MOONCAKE_LATE_WRITES). NIXL beside a CPU hog is `slow` too: in 1 of 2 runs a live
+  prefill rank was declared dead under the hog.
 """
 
 from __future__ import annotations
@@ -357,22 +358,12 @@ MOONCAKE_LATE_WRITES = pytest.mark.xfail(
     reason="a Mooncake TCP write posted into a one-way cut lands after the heal (canary overwritten)", strict=False
 )
 
-#: In 1 of 6 runs over NIXL, one prefill rank's UCX endpoint to decode was closed during the one-way cut, and after the
-#: heal every write of that rank failed at once with NIXL_ERR_REMOTE_DISCONNECT (a "peer dead" room every few
-#: seconds, for the whole 90 s); in another the first room was handed off 67 s after the heal, in the rest within 1 s.
-#: The rank kept the peer's import while the peer's session was unchanged, so nothing made NIXL connect again. A rank
-#: now drops and re-imports a decode peer that answers while its writes fail as disconnected (runtime/prefill.py,
-#: `_reconnect`); the mark stays until the one-way cut is measured with that.
-NIXL_STALE_ENDPOINT = pytest.mark.xfail(
-    reason="a UCX endpoint closed during the cut is not re-created (1 of 6 runs)", strict=False
-)
-
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
     "hosts",
     [
-        pytest.param("nixl", marks=NIXL_STALE_ENDPOINT),
+        "nixl",
         pytest.param("mooncake", marks=[pytest.mark.slow, MOONCAKE_LATE_WRITES]),
     ],
     indirect=True,
