@@ -108,14 +108,21 @@ def test_the_router_counts_per_decode_instance_routed_requests_first_tokens_erro
     upstreams, start_router
 ) -> None:
     prefill, decode = upstreams("P0", "prefill"), upstreams("D0", "decode")
+    # A counter: what it gains after the router's first read of it (with the decode's layout known) counts. It
+    # reads 10 from the start, so that first read sees 10 whenever it comes (once in CI it came after the posts).
+    decode.external_tokens = 10.0
     router = start_router([prefill.instance], [decode.instance], **FAST)
-    wait_until(lambda: router.metric("kvstage_router_probes_total", role="decode", instance="D0", result="up") > 0, "")
-    decode.external_tokens = 10.0  # a counter: what it gains after the router's first read of it counts
     for _ in range(2):
-        post(router.url)
+        post(router.url)  # answered: the router has looked the decode's TP size and layout up
+
+    def probes() -> float:
+        return router.metric("kvstage_router_probes_total", role="decode", instance="D0", result="up")
+
+    seen = probes()
+    wait_until(lambda: probes() >= seen + 2, "a probe round that read the decode's metrics after the posts")
     decode.external_tokens = 30.0
     token_bytes = 2 * 2 * 4 * 8 * 4  # K and V, 2 layers, 4 heads of 8 float32 (conftest.LAYOUT)
-    wait_until(lambda: router.metric("kvstage_router_kv_bytes_total", instance="D0") == 30 * token_bytes, "KV bytes")
+    wait_until(lambda: router.metric("kvstage_router_kv_bytes_total", instance="D0") == 20 * token_bytes, "KV bytes")
     assert router.metric("kvstage_router_routed_total", role="decode", instance="D0") == 2
     assert router.metric("kvstage_router_ttft_seconds_count", instance="D0") == 2
     assert router.metric("kvstage_router_instance_in_flight", role="decode", instance="D0") == 0
