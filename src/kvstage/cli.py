@@ -165,7 +165,9 @@ def bench(
     tokens: int = typer.Option(4096, "--tokens", min=1, help="Tokens per request."),
     chunk_tokens: int = typer.Option(512, "--chunk-tokens", min=1, help="Staging chunk grid (a page multiple)."),
     concurrency: int = typer.Option(1, "--concurrency", min=1, help="Requests in flight at once."),
-    repeats: int = typer.Option(3, "--repeats", min=1, help="Timed rounds per path (best is reported)."),
+    repeats: int = typer.Option(
+        3, "--repeats", min=1, help="Timed rounds per path (best and median reported; staged/raw paired per round)."
+    ),
     device: str = typer.Option(
         "cpu",
         "--device",
