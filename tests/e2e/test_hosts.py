@@ -18,14 +18,10 @@ is dead; the routers wait 30 s for a /health answer (the shared host was seen fr
   restart (within RESUME_S: the first rooms after a cut may be recomputed), decode's ring drains, and the canary
   decode keeps in its free ring bytes (`ring_canary`) is intact: no write landed after its room released the space.
 - The default run has NIXL's cluster (about 2.6 min on the quiet host, 1.7 of them starting the servers); its
-  one-way cut passed 5 of 5 runs once a prefill rank made its UCX endpoints to a live decode peer again after they
-  failed (it was an expected failure before: 1 of 6 runs never handed a room off after the heal). Mooncake's cluster
-  (the same tests) is `slow` (MOONCAKE): writes stalled there until Mooncake's 30 s timeout; its one-way cut is an
-  expected failure besides (MOONCAKE_LATE_WRITES). NIXL beside a CPU hog is `slow` too: it failed 5 of 8 runs, a live
-  prefill rank declared dead under the hog. In the 4 failures looked into, that rank's agent thread was inside
-  NIXL's `add_remote_agent` (its first import of the decode peer) for 11.1 to 11.7 s with 0.03 s of CPU time, and the
-  import returned 1 to 2 s after decode had declared the rank dead; outside vLLM the same import takes about 1 ms,
-  also beside a hog. What it waits for is not known yet.
+  one-way cut is an expected failure that passes most runs (NIXL_STALE_ENDPOINT). Mooncake's cluster (the same
+  tests) is `slow` (MOONCAKE): writes stalled there until Mooncake's 30 s timeout; its one-way cut is an expected
+  failure besides (MOONCAKE_LATE_WRITES). NIXL beside a CPU hog is `slow` too: in 1 of 2 runs a live prefill rank
+  was declared dead under the hog.
 """
 
 from __future__ import annotations
@@ -92,10 +88,9 @@ ROUTER_ARGS = ("--health-timeout", "30")
 #: The instances of a cluster: name -> (role, TP, host), and the pairs a router serves.
 LAYOUT = {"P2": ("prefill", 2, "A"), "P1": ("prefill", 1, "A"), "D1": ("decode", 1, "B"), "D2": ("decode", 2, "B")}
 PAIRS = (("P2", "D1"), ("P1", "D2"))
-#: Mooncake's cluster is opt-in (`slow`): in it (four vLLM servers, three Mooncake engines per host) a write stalled
-#: until Mooncake's 30 s TCP progress timeout in 3 of 4 runs (7 of 8 rooms of P2->D1 handed off), each time while the
-#: whole machine stalled (docs/deploy.md); the same engines without vLLM hand off every room (test_hosts_agents.py).
-#: Its tests would fail the default run and cost it minutes.
+#: Mooncake's cluster is opt-in (`slow`): in it (four vLLM servers, three Mooncake engines per host) writes stalled
+#: until Mooncake's 30 s transfer timeout in every run (1 and 5 of 8 rooms handed off; cause open, not reproduced
+#: with the same engines outside vLLM), so its tests would fail the default run and cost it minutes.
 MOONCAKE = pytest.param("mooncake", marks=pytest.mark.slow)
 _FAILED = re.compile(r"kvstage room (\d+) \(request (\S+)\) failed: (.+)")
 _ids = itertools.count()
@@ -284,10 +279,9 @@ def test_nixl_beside_a_cpu_hog_hands_off_every_request_and_declares_no_live_peer
 
 
 def run_through_cut(
-    p: Pair, cut: Callable[[], None], heal: Callable[[], None], hold_s: float, cut_after_s: float = 0.5
+    p: Pair, cut: Callable[[], None], heal: Callable[[], None], hold_s: float
 ) -> tuple[str, dict[str, str]]:
-    """Four requests through the router; `cut()` `cut_after_s` after they are sent (on a loaded host their
-    transfers are under way by then), `heal()` `hold_s` later.
+    """Four requests through the router; `cut()` once their transfers are under way, `heal()` `hold_s` later.
     Every request must end with the single-instance tokens (vLLM recomputes what did not arrive) within its room's
     deadline plus a recompute. Returns the requests' id tag and decode's failures among them."""
     seeds = [1000 + next(_ids) for _ in range(4)]
@@ -297,7 +291,7 @@ def run_through_cut(
     started = time.monotonic()
     with ThreadPoolExecutor(4) as pool:
         futures = [pool.submit(complete, p.router, t, f"{tag}-{i}") for i, t in enumerate(prompts)]
-        time.sleep(cut_after_s)
+        time.sleep(0.5)
         cut()
         time.sleep(hold_s)
         heal()
@@ -351,12 +345,10 @@ def test_a_link_cut_shorter_than_dead_after_ends_every_room_and_service_resumes_
 @pytest.mark.parametrize("hosts", ["nixl", MOONCAKE], indirect=True)
 def test_a_link_cut_longer_than_dead_after_fails_rooms_with_named_reasons_and_vllm_recomputes(hosts: Hosts) -> None:
     p = Pair(hosts, "P2", "D1")
-    # The link goes down as the requests are sent, so every room is open across it: on a quiet host four rooms can
-    # be handed off within the 0.5 s the other cuts wait (one CI run found none hit), and then this test shows nothing.
     _, found = run_through_cut(
-        p, lambda: hosts.net.link_down("A", "B"), lambda: hosts.net.link_up("A", "B"), LONG_CUT_S, cut_after_s=0.0
+        p, lambda: hosts.net.link_down("A", "B"), lambda: hosts.net.link_up("A", "B"), LONG_CUT_S
     )
-    assert found, "the cut hit no room"
+    assert found, "the cut hit no room: no transfer was under way"
     assert_healed(p)
 
 
@@ -367,12 +359,21 @@ MOONCAKE_LATE_WRITES = pytest.mark.xfail(
     reason="a Mooncake TCP write posted into a one-way cut lands after the heal (canary overwritten)", strict=False
 )
 
+#: In 1 of 6 runs over NIXL, one prefill rank's UCX endpoint to decode was closed during the one-way cut, and after the
+#: heal every write of that rank failed at once with NIXL_ERR_REMOTE_DISCONNECT (a "peer dead" room every few
+#: seconds, for the whole 90 s); in another the first room was handed off 67 s after the heal, in the rest within 1 s.
+#: The rank keeps the peer's import while the peer's session is unchanged, so nothing makes NIXL connect again (open:
+#: drop and re-import a live peer whose writes report it gone).
+NIXL_STALE_ENDPOINT = pytest.mark.xfail(
+    reason="a UCX endpoint closed during the cut is not re-created (1 of 6 runs)", strict=False
+)
+
 
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize(
     "hosts",
     [
-        "nixl",
+        pytest.param("nixl", marks=NIXL_STALE_ENDPOINT),
         pytest.param("mooncake", marks=[pytest.mark.slow, MOONCAKE_LATE_WRITES]),
     ],
     indirect=True,

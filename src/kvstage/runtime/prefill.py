@@ -16,10 +16,8 @@ record); a write is posted only while `endpoint.may_post` holds (R13: this write
 peer, re-checked at the moment of posting, and the epoch the write was emitted under still current; a write waits
 for a lapsed lease, as does one its transport refused for one before any byte moved, and fails unposted once the
 peer is fenced or has fenced this writer's epoch); every write ends in exactly one Completion, queued ones
-included (a completion frees its peer's window for the next); a decode peer that still answers while a write to it
-fails as disconnected, on a backend that connects only at import (NIXL), has its imports dropped and made again
-at a later write, at most once per IMPORT_RETRY_S (`_reconnect`); a room's slots are kept only while the endpoint
-holds the room ACTIVE and dropped with its outcome, and a gather uses them only for the very pages its write names.
+included (a completion frees its peer's window for the next); a room's slots are kept only while the endpoint holds
+the room ACTIVE and dropped with its outcome, and a gather uses them only for the very pages its write names.
 Called by prefill engines through `kvstage.runtime`.
 """
 
@@ -82,7 +80,6 @@ NO_ENGINE_DIRECT = "the two ranks' KV layouts differ (a KVPool and an engine's o
 NO_POOL = "the decode peer exported no KV pool for the direct path (the local backend cannot export engine memory)"
 FENCED_PEER = "the decode peer was fenced before this write could be posted"
 FENCED_BY_DECODE = "the decode peer fenced this writer's epoch before this write could be posted"
-RECONNECTING = "the connection to the decode peer failed and is being made again before this write could be posted"
 
 
 @dataclass(frozen=True, slots=True)
@@ -285,45 +282,15 @@ class PrefillAgent(BaseAgent):
             return None
 
     def _peer_fenced(self, peer: str) -> None:
-        self._import_after.pop(peer, None)
-        self._drop_imports(peer, f"{FENCED_PEER} ({peer})")
-
-    def _drop_imports(self, peer: str, why: str) -> None:
-        """Forget the decode peer's ring and pool imports; its queued writes, which target them, fail with `why`."""
         for write, _, _ in self._queued.pop(peer, ()):  # their target memory is no longer the peer's
-            self._end_unposted(write, why)
+            self._end_unposted(write, f"{FENCED_PEER} ({peer})")
+        self._import_after.pop(peer, None)
         ring = self._rings.pop(peer, None)
         if ring is not None:
             self.transport.forget_remote(ring[1])
         pool = self._pools.pop(peer, None)
         if pool is not None:
             self.transport.forget_remote(pool[1])
-
-    def _reconnect(self, write: _Write, reason: str) -> None:
-        """`write` failed as disconnected (`peer_gone`). Where the backend connects only when a peer is imported
-        (`reconnects_on_import`: NIXL, whose failed UCX endpoint fails every later write at once) and the peer
-        still answers (its frames renew this writer's lease) under the import the write used, drop the peer's
-        imports: the next write to it after IMPORT_RETRY_S imports it again (`_retry_import`), which connects
-        anew. At most once per IMPORT_RETRY_S per peer: writes under the dropped imports no longer match the
-        peer's target, and new imports are made IMPORT_RETRY_S after the drop. A peer that is silent is left to
-        the liveness check, whose fence drops its imports."""
-        peer = write.action.peer
-        if not self.transport.reconnects_on_import or not self._still_target(write) or peer not in self._records:
-            return
-        now = time.monotonic()
-        if now >= self.endpoint.lease_until(peer):
-            return
-        log.warning(
-            "%s: a write to decode peer %r failed as disconnected while the peer answers (%s): its imports are "
-            "dropped and made again at its next write after %.0f s",
-            self.peer_id,
-            peer,
-            reason,
-            IMPORT_RETRY_S,
-        )
-        self.metrics.peer_reconnected()
-        self._import_after[peer] = now + IMPORT_RETRY_S
-        self._drop_imports(peer, f"{RECONNECTING} ({peer})")
 
     def _target(self, action: WriteRegion | WriteDirect) -> tuple[int, RemoteRegion] | None:
         if isinstance(action, WriteRegion):
@@ -548,8 +515,6 @@ class PrefillAgent(BaseAgent):
                 continue
             if write.slot is not None:
                 self._slab.free(write.slot)
-            if not done.ok and done.peer_gone:
-                self._reconnect(write, done.reason)
             # the endpoint tells "lease expired" (the write never started) from other failures by this reason
             reason = done.reason if done.ok or done.reason == LEASE_EXPIRED else f"transfer failed: {done.reason}"
             self._complete(write.action.token, done.ok, reason, done.peer_gone)

@@ -299,10 +299,6 @@ class DataTransport(ABC):
     pins_for_cuda: ClassVar[bool] = False
     #: Whether the backend moves GPU memory: `allocate(device="cuda:N")` and `register` of GPU tensors.
     device_memory: ClassVar[bool] = False
-    #: Whether the backend connects to a peer when its region is imported and never again by itself, so that a
-    #: connection that failed while the peer lives (a write `peer_gone` to a peer that still answers) is made again
-    #: only by forgetting every region of that peer and importing them anew (nixl: a failed UCX endpoint).
-    reconnects_on_import: ClassVar[bool] = False
 
     def __init__(self, config: TransportConfig) -> None:
         self.config = config

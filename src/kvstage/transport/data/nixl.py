@@ -62,19 +62,11 @@ DC queue pair that gets no acknowledgement fails), see `_ucx_timeouts`. Releasin
 stop it (UCX's `ucp_request_cancel` cancels tag receives only), so those UCX timeouts are what bounds a posted
 write (docs/transports.md).
 
-Disconnected peers. NIXL's UCX backend makes one endpoint per UCX worker to a peer when the peer's metadata is
-loaded (`add_remote_agent`), and never makes it again: an endpoint that UCX failed (the peer's process died, or
-the connection closed while the peer lives: `UCX_TCP_USER_TIMEOUT` during a link cut, a reset) fails every later
-write at once with NIXL_ERR_REMOTE_DISCONNECT. Only removing the peer (`remove_remote_agent`, when the last region
-imported from it is forgotten) and loading it again makes new endpoints; the prefill agent does that for a decode
-peer that still answers (`reconnects_on_import`, runtime/prefill.py).
-
 Invariants: every NIXL error (a write outside the peer's registered memory, a disconnected peer, a backend
 error) becomes a failed completion with NIXL's status in the reason (NIXL_ERR_REMOTE_DISCONNECT, which NIXL raises
-within milliseconds of the peer's death, or at once on an endpoint that failed while the peer lives, also sets
-`peer_gone`); a request still in progress after `TransportConfig.write_timeout_s` is reported failed as timed out
-and its handle released (which does not stop it: see "Bounded writes"). Called through
-`kvstage.transport.data.create_transport`.
+within milliseconds of the peer's death, also sets `peer_gone`); a request still in progress after
+`TransportConfig.write_timeout_s` is reported failed as timed out and its handle released (which does not stop
+it: see "Bounded writes"). Called through `kvstage.transport.data.create_transport`.
 """
 
 from __future__ import annotations
@@ -322,9 +314,6 @@ class NixlTransport(DataTransport):
     #: region again fails with cudaErrorHostMemoryAlreadyRegistered).
     pins_for_cuda = True
     device_memory = True
-    #: UCX's endpoint to a peer is made when its metadata is loaded; once failed it fails every write
-    #: (NIXL_ERR_REMOTE_DISCONNECT) until the peer is removed and loaded again (see "Disconnected peers").
-    reconnects_on_import = True
 
     def __init__(self, config: TransportConfig) -> None:
         nixl = load_nixl()
