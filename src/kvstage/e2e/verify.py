@@ -66,8 +66,8 @@ def check_rooms(folder: Path, *, num_layers: int, num_kv_heads: int) -> RoomChec
         }
         if missing := want - digests.keys():
             mismatched[room] = f"decode reported no digest for {len(missing)} (layer, K/V, head, span) slices"
-        elif not sent.get(room):
-            mismatched[room] = "prefill reported no digests"
+        elif unsent := want - sent.get(room, {}).keys():
+            mismatched[room] = f"prefill reported no digest for {len(unsent)} (layer, K/V, head, span) slices"
         elif bad := [key for key in sorted(want) if sent[room].get(key) != digests[key]]:
             mismatched[room] = f"{len(bad)} slices differ from prefill's, first {bad[0]} (layer.kv.head.span)"
         else:

@@ -268,9 +268,10 @@ class WorkerSide:
         for step in self._ready:
             if step.room not in self._rooms:
                 continue  # reclaimed or ended in this step
-            self._guarded("kv_ready", partial(agent.kv_ready, step.room, step.end_tokens, step.blocks, ready))
             if self._report is not None and step.end_tokens == step.num_tokens:
+                # before the last chunk is handed over, so prefill's digests are on file before decode's can be
                 self._record_digests(step.room, _Room(step.req_id, step.num_tokens, 0, step.blocks))
+            self._guarded("kv_ready", partial(agent.kv_ready, step.room, step.end_tokens, step.blocks, ready))
         self._ready.clear()
 
     def transfer_results(self) -> Results:
