@@ -456,3 +456,24 @@ def test_26501_scatter_and_abort_fence_never_touch_a_cuda_only_api(make_cluster,
     _assert_landed(cluster, sides, 0)
     assert decode.wait_quiescent(5)
     assert decode.snapshot().ring_live_bytes == 0
+
+
+def test_a_prefill_rank_whose_import_of_a_decode_peer_blocks_past_dead_after_keeps_answering_and_hands_off(
+    make_cluster,
+):
+    """NIXL connects inside an import and was seen blocking 11 s on the agent thread, long enough for decode to
+    declare a live prefill rank dead. Imports run on the importer thread: with every import held for 1.5 x
+    dead_after_s, the agents go on answering each other and the room lands once the imports do."""
+    cluster = make_cluster(2, 1)
+    for agent in cluster.prefill:
+        real = agent.transport.import_remote
+
+        def slow_import(descriptor, real=real):
+            time.sleep(1.5 * TIMING.dead_after_s)
+            return real(descriptor)
+
+        agent.transport.import_remote = slow_import
+    sides = _run_room(cluster, 9, 24)
+    for agent in cluster.decode + cluster.prefill:
+        assert wait_outcomes(agent, 1, timeout=30.0)[9].ok
+    _assert_landed(cluster, sides, 0)

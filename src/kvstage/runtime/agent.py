@@ -4,8 +4,9 @@ Owns `BaseAgent` (its values are in config.py, what it knows of its peers in pee
 `DecodeAgent` (decode.py) and `PrefillAgent` (prefill.py). An agent drives one protocol endpoint with real
 sockets, a real data transport, gather/scatter on the engine's KV pool, a clock and metrics. It owns one agent
 thread (the only thread that touches the endpoint, the transport's write/poll calls and the agent's tables), plus
-the threads it starts: the copy thread (gather/scatter, `copier.py`), the control channel's I/O thread and the
-peer resolver (`directory.py`). The engine-facing API is small and never blocks:
+the threads it starts: the copy thread (gather/scatter, `copier.py`), the control channel's I/O thread, the
+peer resolver (`directory.py`) and, on prefill, the importer (prefill.py), whose results come back as
+`AgentTask`s. The engine-facing API is small and never blocks:
 
     decode engine:  agent.expect_room(room, prefill_peers, num_tokens, prefix_tokens, pages, timeout_s)
                     agent.abort(room);  agent.poll() -> [RoomOutcome]
@@ -46,6 +47,7 @@ import threading
 import time
 from abc import abstractmethod
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, assert_never
 
@@ -114,6 +116,14 @@ class _ChannelFailure:
     address: str
     envelope: Envelope
     reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class AgentTask:
+    """Work another thread of the agent hands back to the agent thread, which runs `run()` in its loop (guarded
+    like every step): how a blocking call made off the agent thread reports its result."""
+
+    run: Callable[[], None]
 
 
 _STOP = object()
@@ -428,6 +438,9 @@ class BaseAgent(PeerLinks):
             return
         if isinstance(item, CopyDone):
             self._copy_done(item)
+            return
+        if isinstance(item, AgentTask):
+            item.run()
             return
         if isinstance(item, _ChannelFailure):
             peer = self._peer_of_address.get(item.address)

@@ -21,7 +21,9 @@ Metrics (all prefixed `kvstage_`, all labelled with the agent's `role` and `peer
   peer reached", "chunk index out of range", "unknown room", ...; protocol/stats.py);
 - `peer_state{table}`: entries per per-peer table of the agent (records, sockets, resolver, parked, endpoint), so
   an operator sees that they follow the peers alive now;
-- `internal_errors_total`: agent steps that raised unexpectedly (a bug; logged with its traceback).
+- `internal_errors_total`: agent steps that raised unexpectedly (a bug; logged with its traceback);
+- `peer_reconnects_total` (prefill): decode peers whose imports were dropped to be made again, after a write to
+  them failed as disconnected while they still answered (runtime/prefill.py, `_reconnect`).
 
 Invariants: nothing is registered on prometheus-client's global registry, so several agents (and tests) can live
 in one process. All methods are thread-safe (prometheus-client's are; `BusyClock` has a lock). Called by the
@@ -127,6 +129,10 @@ class AgentMetrics:
             "kvstage_internal_errors", "Agent steps that raised unexpectedly (logged with a traceback)", labels,
             registry=reg,
         )  # fmt: skip
+        self.reconnects = Counter(
+            "kvstage_peer_reconnects", "Peers whose imports were dropped to reconnect after a disconnected write",
+            labels, registry=reg,
+        )  # fmt: skip
         self.clock = BusyClock()
         self._bytes_moved = 0
         self._lock = threading.Lock()
@@ -174,6 +180,9 @@ class AgentMetrics:
 
     def internal_error(self) -> None:
         self._of(self.internal_errors).inc()
+
+    def peer_reconnected(self) -> None:
+        self._of(self.reconnects).inc()
 
     def frame_rejected(self, reason: str) -> None:
         self._of(self.rejected, reason).inc()

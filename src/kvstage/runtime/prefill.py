@@ -16,8 +16,13 @@ record); a write is posted only while `endpoint.may_post` holds (R13: this write
 peer, re-checked at the moment of posting, and the epoch the write was emitted under still current; a write waits
 for a lapsed lease, as does one its transport refused for one before any byte moved, and fails unposted once the
 peer is fenced or has fenced this writer's epoch); every write ends in exactly one Completion, queued ones
-included (a completion frees its peer's window for the next); a room's slots are kept only while the endpoint holds
-the room ACTIVE and dropped with its outcome, and a gather uses them only for the very pages its write names.
+included (a completion frees its peer's window for the next); a decode peer's descriptors are imported on the
+importer thread, never on the agent thread (NIXL connects inside an import, seen blocking 11 s), and writes to it
+wait for them (`_import_peer`); a decode peer that still answers while a write to it fails as disconnected, on a
+backend that connects only at import (NIXL), has its imports dropped once no write to it is in flight, and made
+again at a later write, at most once per IMPORT_RETRY_S (`_reconnect`); a room's slots are kept only while the
+endpoint holds the room ACTIVE and dropped with its outcome, and a gather uses them only for the very pages its
+write names.
 Called by prefill engines through `kvstage.runtime`.
 """
 
@@ -26,7 +31,9 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, assert_never, cast
 
 import torch
@@ -56,7 +63,7 @@ from kvstage.protocol import (
 from kvstage.protocol.prefill import PrefillRoomState
 from kvstage.protocol.reasons import LEASE_EXPIRED
 from kvstage.ring import Allocation, StagingRing, region_ready
-from kvstage.runtime.agent import BaseAgent, published_blocks
+from kvstage.runtime.agent import AgentTask, BaseAgent, published_blocks
 from kvstage.runtime.config import AgentConfig, AgentSnapshot, RoomOutcome
 from kvstage.runtime.copier import CopyDone
 from kvstage.runtime.reclaim import PageClaims
@@ -80,6 +87,7 @@ NO_ENGINE_DIRECT = "the two ranks' KV layouts differ (a KVPool and an engine's o
 NO_POOL = "the decode peer exported no KV pool for the direct path (the local backend cannot export engine memory)"
 FENCED_PEER = "the decode peer was fenced before this write could be posted"
 FENCED_BY_DECODE = "the decode peer fenced this writer's epoch before this write could be posted"
+RECONNECTING = "the connection to the decode peer failed and is being made again before this write could be posted"
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,6 +138,10 @@ class PrefillAgent(BaseAgent):
         # or an engine's blocks)
         self._rings: dict[str, tuple[int, RemoteRegion]] = {}
         self._import_after: dict[str, float] = {}  # decode peer whose import failed -> when to try it again
+        self._reconnecting: set[str] = set()  # decode peers whose imports go once their writes in flight end
+        self._reconnected: set[str] = set()  # decode peers whose imports went, until they are imported again
+        self._importing: dict[str, int] = {}  # decode peer -> the session the importer thread is importing
+        self._importer = ThreadPoolExecutor(1, thread_name_prefix=f"kvstage-{self.role}-import")
         self._pools: dict[str, tuple[int, RemoteRegion, PoolGeometry | EngineBlocks]] = {}
         self._slab = StagingRing(config.staging_bytes, 64)
         self._waiting: deque[_Write] = deque()
@@ -178,6 +190,10 @@ class PrefillAgent(BaseAgent):
         # an engine's blocks tell decode ranks whether this rank can write theirs page to page
         blocks = {} if self.engine_blocks is None else {"engine_blocks": self.engine_blocks.encode()}
         return {"staging": encode_descriptor(self.transport.export(self.staging_region)), **blocks}
+
+    def close(self) -> None:
+        self._importer.shutdown(wait=False, cancel_futures=True)  # one under way ends by the time the transport closes
+        super().close()
 
     def _make_endpoint(self) -> PrefillEndpoint:
         cfg = self.config
@@ -239,7 +255,7 @@ class PrefillAgent(BaseAgent):
 
     def _peer_changed(self, old: PeerRecord | None, record: PeerRecord) -> None:
         held = self._rings.get(record.peer_id)
-        if held is not None and held[0] == record.session:
+        if (held is not None and held[0] == record.session) or self._importing.get(record.peer_id) == record.session:
             # the same incarnation again (a second lookup of it): writes already queued hold its imports, which
             # stay valid; re-importing would forget them under those writes
             return
@@ -247,29 +263,57 @@ class PrefillAgent(BaseAgent):
         self._import_peer(record)
 
     def _import_peer(self, record: PeerRecord) -> None:
-        """Import a decode peer's ring (and pool or engine KV, for the direct path). An import that fails (NIXL
-        cannot reach the peer while a link is down, say) is tried again when a write to that peer is issued, at
-        most every IMPORT_RETRY_S (`_retry_import`): the peer is written to again once it can be reached, without
-        waiting for a record of a new incarnation."""
-        ring = self._import(record, "ring")
-        if ring is None:
-            log.error(
-                "%s: no usable ring of decode peer %r; tried again at its next write", self.peer_id, record.peer_id
-            )
-            self._import_after[record.peer_id] = time.monotonic() + IMPORT_RETRY_S
+        """Import a decode peer's ring (and pool or engine KV, for the direct path) on the importer thread: NIXL
+        connects to the peer inside an import, seen blocking for 11 s, and the agent thread must go on answering
+        its peers meanwhile, else they declare this rank dead. Writes to the peer wait in `_unresolved` until the
+        imports land (`_imported`). An import that fails (NIXL cannot reach the peer while a link is down, say) is
+        tried again when a write to that peer is issued, at most every IMPORT_RETRY_S (`_retry_import`): the peer
+        is written to again once it can be reached, without waiting for a record of a new incarnation."""
+        if self._importing.get(record.peer_id) == record.session:
             return
-        self._import_after.pop(record.peer_id, None)
-        self._rings[record.peer_id] = (record.session, ring)
-        pool = self._import(record, "pool")
+        self._importing[record.peer_id] = record.session
+        self._importer.submit(self._load_peer, record)
+
+    def _load_peer(self, record: PeerRecord) -> None:
+        """Importer thread: import the peer's descriptors and hand them to the agent thread."""
+        regions: list[RemoteRegion | None] = [None, None, None]
+        try:
+            regions[0] = self._import(record, "ring")
+            if regions[0] is not None:
+                regions[1] = self._import(record, "pool")
+                regions[2] = None if published_blocks(record) is None else self._import(record, "engine")
+        except Exception:  # a bug: logged and counted; the imports made are handed over, the peer is tried again
+            log.exception("%s: importing decode peer %r failed", self.peer_id, record.peer_id)
+            self.metrics.internal_error()
+        self._events.put(AgentTask(partial(self._imported, record, *regions)))
+
+    def _imported(
+        self, record: PeerRecord, ring: RemoteRegion | None, pool: RemoteRegion | None, engine: RemoteRegion | None
+    ) -> None:
+        """Agent thread: the importer's result for `record`. Dropped (and its regions forgotten) if the peer was
+        fenced or replaced meanwhile: its memory may no longer be that incarnation's."""
+        peer = record.peer_id
+        if self._importing.get(peer) != record.session:
+            for region in (ring, pool, engine):
+                if region is not None:
+                    self.transport.forget_remote(region)
+            return
+        del self._importing[peer]
+        if ring is None:
+            log.error("%s: no usable ring of decode peer %r; tried again at its next write", self.peer_id, peer)
+            self._import_after[peer] = time.monotonic() + IMPORT_RETRY_S
+            return
+        self._import_after.pop(peer, None)
+        self._reconnected.discard(peer)
+        self._rings[peer] = (record.session, ring)
         if pool is not None:
             layout = record.layout.to_layout()  # decode's: its page size may differ from this rank's
             heads = len(heads_of_rank(layout.num_kv_heads, record.tp_size, record.rank))
             pages = pool.nbytes // layout.bytes_per_page(heads)
-            self._pools[record.peer_id] = (record.session, pool, PoolGeometry(layout, heads, pages))
+            self._pools[peer] = (record.session, pool, PoolGeometry(layout, heads, pages))
         blocks = published_blocks(record)
-        engine = None if blocks is None else self._import(record, "engine")
         if blocks is not None and engine is not None:
-            self._pools[record.peer_id] = (record.session, engine, blocks)
+            self._pools[peer] = (record.session, engine, blocks)
 
     def _import(self, record: PeerRecord, name: str) -> RemoteRegion | None:
         blob = record.descriptors.get(name)
@@ -282,15 +326,60 @@ class PrefillAgent(BaseAgent):
             return None
 
     def _peer_fenced(self, peer: str) -> None:
-        for write, _, _ in self._queued.pop(peer, ()):  # their target memory is no longer the peer's
-            self._end_unposted(write, f"{FENCED_PEER} ({peer})")
         self._import_after.pop(peer, None)
+        self._importing.pop(peer, None)  # an import under way is dropped when it lands
+        self._reconnected.discard(peer)
+        self._reconnecting.discard(peer)
+        self._drop_imports(peer, f"{FENCED_PEER} ({peer})")
+
+    def _drop_imports(self, peer: str, why: str, peer_gone: bool = False) -> None:
+        """Forget the decode peer's ring and pool imports; its queued writes, which target them, fail with `why`
+        (`peer_gone`: because the peer cannot be reached)."""
+        for write, _, _ in self._queued.pop(peer, ()):  # their target memory is no longer the peer's
+            self._end_unposted(write, why, peer_gone)
         ring = self._rings.pop(peer, None)
         if ring is not None:
             self.transport.forget_remote(ring[1])
         pool = self._pools.pop(peer, None)
         if pool is not None:
             self.transport.forget_remote(pool[1])
+
+    def _reconnect(self, write: _Write, reason: str) -> None:
+        """`write` failed as disconnected (`peer_gone`). Where the backend connects only when a peer is imported
+        (`reconnects_on_import`: NIXL, whose failed UCX endpoint fails every later write at once) and the peer
+        still answers (its frames renew this writer's lease) under the import the write used, drop the peer's
+        imports once its writes in flight end (`_drop_when_idle`): the next write to it after IMPORT_RETRY_S
+        imports it again (`_retry_import`), which connects anew. At most once per IMPORT_RETRY_S per peer: writes
+        under the dropped imports no longer match the peer's target, and new imports are made IMPORT_RETRY_S after
+        the drop. A peer that is silent is left to the liveness check, whose fence drops its imports."""
+        peer = write.action.peer
+        if not self.transport.reconnects_on_import or not self._still_target(write) or peer not in self._records:
+            return
+        if peer in self._reconnecting or time.monotonic() >= self.endpoint.lease_until(peer):
+            return
+        log.warning(
+            "%s: a write to decode peer %r failed as disconnected while the peer answers (%s): its imports are "
+            "dropped once its writes in flight end, and made again at its next write %.0f s later",
+            self.peer_id,
+            peer,
+            reason,
+            IMPORT_RETRY_S,
+        )
+        self.metrics.peer_reconnected()
+        self._reconnecting.add(peer)
+        self._drop_when_idle(peer)
+
+    def _drop_when_idle(self, peer: str) -> None:
+        """Drop a reconnecting peer's imports once no write to it is in flight (none is posted meanwhile). Dropping
+        them closes every NIXL endpoint to the peer, the working ones too: a write still in flight on one would be
+        reported failed, so its room's space could be released on decode, while bytes of it may still sit in the
+        kernel's send buffer of the closed connection, to land after that."""
+        if self._in_flight_to(peer):
+            return
+        self._reconnecting.discard(peer)
+        self._reconnected.add(peer)
+        self._import_after[peer] = time.monotonic() + IMPORT_RETRY_S
+        self._drop_imports(peer, f"{RECONNECTING} ({peer})", peer_gone=True)
 
     def _target(self, action: WriteRegion | WriteDirect) -> tuple[int, RemoteRegion] | None:
         if isinstance(action, WriteRegion):
@@ -301,7 +390,7 @@ class PrefillAgent(BaseAgent):
     def _retry_import(self, peer: str) -> None:
         """Import a known decode peer's descriptors again if its last import failed and IMPORT_RETRY_S have passed."""
         record = self._records.get(peer)
-        if record is None or peer in self._rings or peer not in self._import_after:
+        if record is None or peer in self._rings or peer in self._importing or peer not in self._import_after:
             return
         if time.monotonic() >= self._import_after[peer]:
             self._import_peer(record)
@@ -314,8 +403,9 @@ class PrefillAgent(BaseAgent):
             target = self._target(action)
         if target is None:
             reason = NO_RING if isinstance(action, WriteRegion) else NO_POOL
-            if action.peer in self._records:
-                self._complete(action.token, False, reason)
+            if action.peer in self._records and action.peer not in self._importing:
+                # its import failed, or was dropped to reconnect: then, as for a killed peer, "peer dead"
+                self._complete(action.token, False, reason, peer_gone=action.peer in self._reconnected)
             else:
                 self._unresolved.append((time.monotonic(), action))
             return
@@ -336,14 +426,16 @@ class PrefillAgent(BaseAgent):
             self._write_direct(action, remote)
 
     def _retry_unresolved(self) -> None:
-        """Re-issue writes whose decode record has arrived; fail those that waited past the liveness timeout."""
+        """Re-issue writes whose decode record has arrived, or whose peer's import has landed; fail those that
+        waited past the liveness timeout with no import of their peer under way (one under way is waited for: it
+        ends, or the peer's fence drops it)."""
         waiting, self._unresolved = self._unresolved, []
         expired = time.monotonic() - self.config.timing.dead_after_s
         for since, action in waiting:
             target = self._target(action)
             if target is not None and target[0] >= action.dst_session:
                 self._issue(action)
-            elif since < expired:
+            elif since < expired and action.peer not in self._importing:
                 reason = NO_RING if isinstance(action, WriteRegion) else NO_POOL
                 self._complete(action.token, False, f"{reason} (session {action.dst_session} never registered)")
             else:
@@ -445,11 +537,11 @@ class PrefillAgent(BaseAgent):
         target = self._target(write.action)
         return target is not None and target[1] is write.remote
 
-    def _end_unposted(self, write: _Write, reason: str) -> None:
+    def _end_unposted(self, write: _Write, reason: str, peer_gone: bool = False) -> None:
         """A queued write will never be posted: free its staging slot and fail it."""
         if write.slot is not None:
             self._slab.free(write.slot)
-        self._complete(write.action.token, False, reason)
+        self._complete(write.action.token, False, reason, peer_gone)
 
     def _in_flight_to(self, peer: str) -> int:
         return sum(1 for write, _, _ in self._in_flight.values() if write.action.peer == peer)
@@ -474,6 +566,8 @@ class PrefillAgent(BaseAgent):
         land. A write waiting for a lapsed lease is re-checked every turn; one whose target memory was forgotten
         (the peer fenced or replaced) or whose epoch has passed (the peer fenced us) fails without being posted."""
         queued = self._queued.get(peer)
+        if peer in self._reconnecting:  # its imports are dropped once its writes in flight end: post none
+            return
         while queued:
             write = queued[0][0]
             why = self._unpostable(write)  # epochs only grow, so a passed epoch's writes are ahead of the others
@@ -515,9 +609,13 @@ class PrefillAgent(BaseAgent):
                 continue
             if write.slot is not None:
                 self._slab.free(write.slot)
+            if not done.ok and done.peer_gone:
+                self._reconnect(write, done.reason)
             # the endpoint tells "lease expired" (the write never started) from other failures by this reason
             reason = done.reason if done.ok or done.reason == LEASE_EXPIRED else f"transfer failed: {done.reason}"
             self._complete(write.action.token, done.ok, reason, done.peer_gone)
+            if write.action.peer in self._reconnecting:
+                self._drop_when_idle(write.action.peer)
             self._submit_queued(write.action.peer)
 
     def _after_turn(self) -> None:

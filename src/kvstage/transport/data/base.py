@@ -299,6 +299,14 @@ class DataTransport(ABC):
     pins_for_cuda: ClassVar[bool] = False
     #: Whether the backend moves GPU memory: `allocate(device="cuda:N")` and `register` of GPU tensors.
     device_memory: ClassVar[bool] = False
+    #: Whether the backend connects to a peer when its region is imported and never again by itself, so that a
+    #: connection that failed while the peer lives (a write `peer_gone` to a peer that still answers) is made again
+    #: only by forgetting every region of that peer and importing them anew (nixl: a failed UCX endpoint).
+    reconnects_on_import: ClassVar[bool] = False
+    #: Whether `_import` may block for long (NIXL connects to the peer inside it: seen taking 11 s) and therefore
+    #: runs outside the transport's lock, the backend guarding its own tables: writes, polls and forgets go on
+    #: meanwhile on other threads.
+    imports_unlocked: ClassVar[bool] = False
 
     def __init__(self, config: TransportConfig) -> None:
         self.config = config
@@ -388,7 +396,13 @@ class DataTransport(ABC):
         with self._lock:
             self._check_open()
             remote = RemoteRegion(next(self._ids), descriptor.owner, descriptor.region_id, descriptor.nbytes)
-            self._import(descriptor, remote)
+            if not self.imports_unlocked:
+                self._import(descriptor, remote)
+                self._remotes[remote.key] = remote
+                return remote
+        self._import(descriptor, remote)
+        with self._lock:
+            self._check_open()  # closed meanwhile: `_close` forgot what the import loaded
             self._remotes[remote.key] = remote
             return remote
 

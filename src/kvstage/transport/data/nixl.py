@@ -62,11 +62,22 @@ DC queue pair that gets no acknowledgement fails), see `_ucx_timeouts`. Releasin
 stop it (UCX's `ucp_request_cancel` cancels tag receives only), so those UCX timeouts are what bounds a posted
 write (docs/transports.md).
 
+Disconnected peers. NIXL's UCX backend makes one endpoint per UCX worker to a peer when the peer's metadata is
+loaded (`add_remote_agent`), and never makes it again: an endpoint that UCX failed (the peer's process died, or
+the connection closed while the peer lives: `UCX_TCP_USER_TIMEOUT` during a link cut, a reset) fails every later
+write at once with NIXL_ERR_REMOTE_DISCONNECT. Only removing the peer (`remove_remote_agent`, when the last region
+imported from it is forgotten) and loading it again makes new endpoints; the prefill agent does that for a decode
+peer that still answers (`reconnects_on_import`, runtime/prefill.py). Loading a peer connects to it, and
+`add_remote_agent` was seen blocking 11 s under vLLM across namespaced hosts (cause inside NIXL/UCX not found): it
+runs under `_meta_lock` (loads and removals of remote agents, one at a time), not under the transport's lock
+(`imports_unlocked`), so writes and polls go on meanwhile; the prefill agent imports on a thread of its own.
+
 Invariants: every NIXL error (a write outside the peer's registered memory, a disconnected peer, a backend
 error) becomes a failed completion with NIXL's status in the reason (NIXL_ERR_REMOTE_DISCONNECT, which NIXL raises
-within milliseconds of the peer's death, also sets `peer_gone`); a request still in progress after
-`TransportConfig.write_timeout_s` is reported failed as timed out and its handle released (which does not stop
-it: see "Bounded writes"). Called through `kvstage.transport.data.create_transport`.
+within milliseconds of the peer's death, or at once on an endpoint that failed while the peer lives, also sets
+`peer_gone`); a request still in progress after `TransportConfig.write_timeout_s` is reported failed as timed out
+and its handle released (which does not stop it: see "Bounded writes"). Called through
+`kvstage.transport.data.create_transport`.
 """
 
 from __future__ import annotations
@@ -314,6 +325,11 @@ class NixlTransport(DataTransport):
     #: region again fails with cudaErrorHostMemoryAlreadyRegistered).
     pins_for_cuda = True
     device_memory = True
+    #: UCX's endpoint to a peer is made when its metadata is loaded; once failed it fails every write
+    #: (NIXL_ERR_REMOTE_DISCONNECT) until the peer is removed and loaded again (see "Disconnected peers").
+    reconnects_on_import = True
+    #: `add_remote_agent` connects to the peer and was seen blocking 11 s: it runs under `_meta_lock` only.
+    imports_unlocked = True
 
     def __init__(self, config: TransportConfig) -> None:
         nixl = load_nixl()
@@ -343,6 +359,8 @@ class NixlTransport(DataTransport):
         self._peers: dict[int, _NixlRef] = {}
         self._after: torch.cuda.Event | None = None
         self._owner_refs: dict[str, int] = {}
+        # loads and removals of remote agents, one at a time, and the two tables above (taken after `_lock`)
+        self._meta_lock = threading.Lock()
         self._writer: JobRunner[_Write] = JobRunner(
             f"kvstage-nixl-{config.name}", self._run, max(_WORKERS, config.nixl_workers), notify=self._completed
         )
@@ -396,30 +414,35 @@ class NixlTransport(DataTransport):
         if named != descriptor.owner:  # checked before loading: a refused blob must not touch a loaded peer
             what = "no NIXL agent header" if named is None else f"metadata of agent {named!r}"
             raise TransportError(f"nixl descriptor from {descriptor.owner!r} carries {what}")
-        known = set(self._owner_refs)
-        try:
-            loaded = self._agent.add_remote_agent(ref.metadata)  # NIXL undoes a load it fails itself
-        except self._errors as err:
-            raise TransportError(f"NIXL could not load the metadata of {descriptor.owner!r}: {err}") from err
-        name = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
-        if name != descriptor.owner:  # NIXL read another name than its header says: undo what it loaded
-            if name not in known:
-                self._remove_agent(name)
-            raise TransportError(f"nixl descriptor from {descriptor.owner!r} carries metadata of agent {name!r}")
-        self._peers[remote.key] = ref
-        self._owner_refs[name] = self._owner_refs.get(name, 0) + 1
+        with self._meta_lock:  # off the transport's lock (`imports_unlocked`): loading may block for seconds
+            if self._agent is None:
+                raise TransportError("the transport was closed during the import")
+            known = set(self._owner_refs)
+            try:
+                loaded = self._agent.add_remote_agent(ref.metadata)  # NIXL undoes a load it fails itself
+            except self._errors as err:
+                raise TransportError(f"NIXL could not load the metadata of {descriptor.owner!r}: {err}") from err
+            name = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
+            if name != descriptor.owner:  # NIXL read another name than its header says: undo what it loaded
+                if name not in known:
+                    self._remove_agent(name)
+                raise TransportError(f"nixl descriptor from {descriptor.owner!r} carries metadata of agent {name!r}")
+            self._peers[remote.key] = ref
+            self._owner_refs[name] = self._owner_refs.get(name, 0) + 1
 
     def _forget(self, remote: RemoteRegion) -> None:
-        if self._peers.pop(remote.key, None) is None:
-            return
-        refs = self._owner_refs[remote.owner] - 1
-        if refs:
-            self._owner_refs[remote.owner] = refs
-            return
-        del self._owner_refs[remote.owner]
-        self._remove_agent(remote.owner)
+        with self._meta_lock:
+            if self._peers.pop(remote.key, None) is None:
+                return
+            refs = self._owner_refs[remote.owner] - 1
+            if refs:
+                self._owner_refs[remote.owner] = refs
+                return
+            del self._owner_refs[remote.owner]
+            self._remove_agent(remote.owner)
 
     def _remove_agent(self, name: str) -> None:
+        """Unload a remote agent (its endpoints close); the caller holds `_meta_lock`."""
         try:
             self._agent.remove_remote_agent(name)
         except self._errors as err:
@@ -499,11 +522,9 @@ class NixlTransport(DataTransport):
         self._writer.stop()
         for region in list(self._regions.values()):
             self._unregister(region)
-        for owner in list(self._owner_refs):
-            try:
-                self._agent.remove_remote_agent(owner)
-            except self._errors as err:
-                log.warning("NIXL could not remove remote agent %r: %s", owner, err)
-        self._owner_refs.clear()
-        self._peers.clear()
-        self._agent = None  # destroy the NIXL agent now, not during interpreter shutdown (which can crash UCX)
+        with self._meta_lock:  # after an import under way: it finds the agent gone and fails
+            for owner in list(self._owner_refs):
+                self._remove_agent(owner)
+            self._owner_refs.clear()
+            self._peers.clear()
+            self._agent = None  # destroy the NIXL agent now, not during interpreter shutdown (which can crash UCX)
