@@ -39,6 +39,11 @@ def decode_rooms(folder: Path) -> set[int]:
     return {r["room"] for r in _records(folder) if r["kind"] == "room" and r["role"] == "decode"}
 
 
+def prefill_rooms(folder: Path) -> set[int]:
+    """Rooms for which at least one prefill rank reported its digests: their last chunk is being handed over."""
+    return {r["room"] for r in _records(folder) if r["kind"] == "room" and r["role"] == "prefill"}
+
+
 def check_rooms(folder: Path, *, num_layers: int, num_kv_heads: int) -> RoomCheck:
     sent: dict[int, dict[str, str]] = defaultdict(dict)
     got: dict[int, dict[str, str]] = defaultdict(dict)
