@@ -1,6 +1,6 @@
 """The e2e reports' digests (`span_digests`) name token spans, not blocks: the same tokens in caches of different
-block sizes, in any block order, digest alike; one changed element changes one span's digest only. A room checked before every prefill rank reported
-is named incomplete, not different (`check_rooms`)."""
+block sizes, in any block order, digest alike; one changed element changes one span's digest only. A room checked
+before every prefill rank reported is named incomplete, not different (`check_rooms`)."""
 
 from __future__ import annotations
 
