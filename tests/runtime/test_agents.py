@@ -340,7 +340,7 @@ def test_a_redelivered_or_older_decode_record_keeps_the_ring_import_that_writes_
         assert wait_outcomes(agent, 1)[1].ok
     decode_peer = cluster.decode[0].peer_id
     records = [agent._records[decode_peer] for agent in cluster.prefill]
-    rings = [agent._rings[decode_peer][1] for agent in cluster.prefill]
+    rings = [agent.imports._rings[decode_peer][1] for agent in cluster.prefill]
     for agent, record in zip(cluster.prefill, records, strict=True):
         agent._events.put(redelivered(record))
     sides = _run_room(cluster, 2, 24)  # queued behind the redelivered record on each agent thread
@@ -349,8 +349,8 @@ def test_a_redelivered_or_older_decode_record_keeps_the_ring_import_that_writes_
         assert wait_outcomes(agent, 1)[2].ok
     _assert_landed(cluster, sides, 0)
     assert [agent._records[decode_peer] for agent in cluster.prefill] == records
-    assert [agent._rings[decode_peer][1] for agent in cluster.prefill] == rings
-    assert all(agent._rings[decode_peer][1] is ring for agent, ring in zip(cluster.prefill, rings, strict=True))
+    assert [agent.imports._rings[decode_peer][1] for agent in cluster.prefill] == rings
+    assert all(agent.imports._rings[decode_peer][1] is ring for agent, ring in zip(cluster.prefill, rings, strict=True))
 
 
 def test_a_matched_tp_room_on_the_local_backend_goes_page_to_page_into_the_decode_pool_without_the_ring(make_cluster):

@@ -19,7 +19,7 @@ from kvstage.dataplane import KVPool
 from kvstage.layout import KVLayout, heads_of_rank
 from kvstage.protocol import Timing
 from kvstage.runtime import AgentConfig, DecodeAgent, PrefillAgent, peer_id
-from kvstage.runtime.prefill import IMPORT_RETRY_S
+from kvstage.runtime.imports import IMPORT_RETRY_S
 from kvstage.transport.bootstrap import BootstrapServer
 from kvstage.transport.data import TransportConfig
 

@@ -18,7 +18,7 @@ for a lapsed lease, as does one its transport refused for one before any byte mo
 peer is fenced or has fenced this writer's epoch); every write ends in exactly one Completion, queued ones
 included (a completion frees its peer's window for the next); a decode peer's descriptors are imported on the
 importer thread, never on the agent thread (NIXL connects inside an import, seen blocking 11 s), and writes to it
-wait for them (`_import_peer`); a decode peer that still answers while a write to it fails as disconnected, on a
+wait for them (imports.py); a decode peer that still answers while a write to it fails as disconnected, on a
 backend that connects only at import (NIXL), has its imports dropped once no write to it is in flight, and made
 again at a later write, at most once per IMPORT_RETRY_S (`_reconnect`); a room's slots are kept only while the
 endpoint holds the room ACTIVE and dropped with its outcome, and a gather uses them only for the very pages its
@@ -31,9 +31,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from functools import partial
 from typing import Any, assert_never, cast
 
 import torch
@@ -41,7 +39,6 @@ import torch
 from kvstage.dataplane import KVPool, KVStore, PoolGeometry, RequestSlots, gather_slots, plan_direct_slices
 from kvstage.dataplane.engine_blocks import EngineBlocks, block_runs
 from kvstage.errors import ConfigError, InvalidRequest, KVStageError, StagingOversized
-from kvstage.layout import heads_of_rank
 from kvstage.protocol import (
     AbortRoom,
     Action,
@@ -63,15 +60,15 @@ from kvstage.protocol import (
 from kvstage.protocol.prefill import PrefillRoomState
 from kvstage.protocol.reasons import LEASE_EXPIRED
 from kvstage.ring import Allocation, StagingRing, region_ready
-from kvstage.runtime.agent import AgentTask, BaseAgent, published_blocks
+from kvstage.runtime.agent import BaseAgent
 from kvstage.runtime.config import AgentConfig, AgentSnapshot, RoomOutcome
 from kvstage.runtime.copier import CopyDone
+from kvstage.runtime.imports import IMPORT_RETRY_S, PeerImports
 from kvstage.runtime.reclaim import PageClaims
 from kvstage.transport.bootstrap import PeerRecord
 from kvstage.transport.data import (
     LocalRegion,
     RemoteRegion,
-    decode_descriptor,
     encode_descriptor,
 )
 
@@ -79,8 +76,6 @@ log = logging.getLogger(__name__)
 
 #: Reasons given to a write the runtime cannot carry out (logged; the room fails with "transfer failed").
 NO_RING = "no staging ring known for the decode peer"
-#: How often a decode peer whose descriptors could not be imported is tried again (when a write to it is issued).
-IMPORT_RETRY_S = 1.0
 STALE_RING = "the decode peer restarted since it granted this region"
 NO_LOCAL_POOL = "this rank's KV pool is on {device}; the data transports write host memory, so no direct path"
 NO_ENGINE_DIRECT = "the two ranks' KV layouts differ (a KVPool and an engine's own, or two engines' blocks unlike)"
@@ -136,13 +131,8 @@ class PrefillAgent(BaseAgent):
         super().__init__(config, kv)
         # decode peer -> (its session, its ring) and (its session, its KV, where its pages lie: a KVPool's geometry,
         # or an engine's blocks)
-        self._rings: dict[str, tuple[int, RemoteRegion]] = {}
-        self._import_after: dict[str, float] = {}  # decode peer whose import failed -> when to try it again
         self._reconnecting: set[str] = set()  # decode peers whose imports go once their writes in flight end
-        self._reconnected: set[str] = set()  # decode peers whose imports went, until they are imported again
-        self._importing: dict[str, int] = {}  # decode peer -> the session the importer thread is importing
-        self._importer = ThreadPoolExecutor(1, thread_name_prefix=f"kvstage-{self.role}-import")
-        self._pools: dict[str, tuple[int, RemoteRegion, PoolGeometry | EngineBlocks]] = {}
+        self.imports: PeerImports  # made with the transport, at start (`_setup_memory`)
         self._slab = StagingRing(config.staging_bytes, 64)
         self._waiting: deque[_Write] = deque()
         self._in_flight: dict[int, _Ready] = {}  # transfer id -> the write posted under it
@@ -185,6 +175,7 @@ class PrefillAgent(BaseAgent):
     # ---- hooks -------------------------------------------------------------------------------------------
 
     def _setup_memory(self) -> dict[str, bytes]:
+        self.imports = PeerImports(self.transport, self._events.put, self.metrics, self.peer_id)
         self.staging_region = self._host_region(self.config.staging_bytes)
         self.export_pool()  # the pool is the source of direct-path writes
         # an engine's blocks tell decode ranks whether this rank can write theirs page to page
@@ -192,7 +183,8 @@ class PrefillAgent(BaseAgent):
         return {"staging": encode_descriptor(self.transport.export(self.staging_region)), **blocks}
 
     def close(self) -> None:
-        self._importer.shutdown(wait=False, cancel_futures=True)  # one under way ends by the time the transport closes
+        if self._started:
+            self.imports.close()
         super().close()
 
     def _make_endpoint(self) -> PrefillEndpoint:
@@ -254,102 +246,30 @@ class PrefillAgent(BaseAgent):
         self._claims.forget(room)
 
     def _peer_changed(self, old: PeerRecord | None, record: PeerRecord) -> None:
-        held = self._rings.get(record.peer_id)
-        if (held is not None and held[0] == record.session) or self._importing.get(record.peer_id) == record.session:
+        if self.imports.holds(record):
             # the same incarnation again (a second lookup of it): writes already queued hold its imports, which
             # stay valid; re-importing would forget them under those writes
             return
         self._peer_fenced(record.peer_id)
-        self._import_peer(record)
-
-    def _import_peer(self, record: PeerRecord) -> None:
-        """Import a decode peer's ring (and pool or engine KV, for the direct path) on the importer thread: NIXL
-        connects to the peer inside an import, seen blocking for 11 s, and the agent thread must go on answering
-        its peers meanwhile, else they declare this rank dead. Writes to the peer wait in `_unresolved` until the
-        imports land (`_imported`). An import that fails (NIXL cannot reach the peer while a link is down, say) is
-        tried again when a write to that peer is issued, at most every IMPORT_RETRY_S (`_retry_import`): the peer
-        is written to again once it can be reached, without waiting for a record of a new incarnation."""
-        if self._importing.get(record.peer_id) == record.session:
-            return
-        self._importing[record.peer_id] = record.session
-        self._importer.submit(self._load_peer, record)
-
-    def _load_peer(self, record: PeerRecord) -> None:
-        """Importer thread: import the peer's descriptors and hand them to the agent thread."""
-        regions: list[RemoteRegion | None] = [None, None, None]
-        try:
-            regions[0] = self._import(record, "ring")
-            if regions[0] is not None:
-                regions[1] = self._import(record, "pool")
-                regions[2] = None if published_blocks(record) is None else self._import(record, "engine")
-        except Exception:  # a bug: logged and counted; the imports made are handed over, the peer is tried again
-            log.exception("%s: importing decode peer %r failed", self.peer_id, record.peer_id)
-            self.metrics.internal_error()
-        self._events.put(AgentTask(partial(self._imported, record, *regions)))
-
-    def _imported(
-        self, record: PeerRecord, ring: RemoteRegion | None, pool: RemoteRegion | None, engine: RemoteRegion | None
-    ) -> None:
-        """Agent thread: the importer's result for `record`. Dropped (and its regions forgotten) if the peer was
-        fenced or replaced meanwhile: its memory may no longer be that incarnation's."""
-        peer = record.peer_id
-        if self._importing.get(peer) != record.session:
-            for region in (ring, pool, engine):
-                if region is not None:
-                    self.transport.forget_remote(region)
-            return
-        del self._importing[peer]
-        if ring is None:
-            log.error("%s: no usable ring of decode peer %r; tried again at its next write", self.peer_id, peer)
-            self._import_after[peer] = time.monotonic() + IMPORT_RETRY_S
-            return
-        self._import_after.pop(peer, None)
-        self._reconnected.discard(peer)
-        self._rings[peer] = (record.session, ring)
-        if pool is not None:
-            layout = record.layout.to_layout()  # decode's: its page size may differ from this rank's
-            heads = len(heads_of_rank(layout.num_kv_heads, record.tp_size, record.rank))
-            pages = pool.nbytes // layout.bytes_per_page(heads)
-            self._pools[peer] = (record.session, pool, PoolGeometry(layout, heads, pages))
-        blocks = published_blocks(record)
-        if blocks is not None and engine is not None:
-            self._pools[peer] = (record.session, engine, blocks)
-
-    def _import(self, record: PeerRecord, name: str) -> RemoteRegion | None:
-        blob = record.descriptors.get(name)
-        if blob is None:
-            return None
-        try:
-            return self.transport.import_remote(decode_descriptor(blob))
-        except KVStageError as exc:
-            log.error("%s: cannot import the %s of %r: %s", self.peer_id, name, record.peer_id, exc)
-            return None
+        self.imports.start(record)  # writes to the peer wait in `_unresolved` until it lands
 
     def _peer_fenced(self, peer: str) -> None:
-        self._import_after.pop(peer, None)
-        self._importing.pop(peer, None)  # an import under way is dropped when it lands
-        self._reconnected.discard(peer)
         self._reconnecting.discard(peer)
-        self._drop_imports(peer, f"{FENCED_PEER} ({peer})")
+        self._fail_queued(peer, f"{FENCED_PEER} ({peer})")
+        self.imports.drop(peer)
 
-    def _drop_imports(self, peer: str, why: str, peer_gone: bool = False) -> None:
-        """Forget the decode peer's ring and pool imports; its queued writes, which target them, fail with `why`
-        (`peer_gone`: because the peer cannot be reached)."""
-        for write, _, _ in self._queued.pop(peer, ()):  # their target memory is no longer the peer's
+    def _fail_queued(self, peer: str, why: str, peer_gone: bool = False) -> None:
+        """The peer's queued writes, whose target memory is about to be forgotten, fail with `why` (`peer_gone`:
+        because the peer cannot be reached)."""
+        for write, _, _ in self._queued.pop(peer, ()):
             self._end_unposted(write, why, peer_gone)
-        ring = self._rings.pop(peer, None)
-        if ring is not None:
-            self.transport.forget_remote(ring[1])
-        pool = self._pools.pop(peer, None)
-        if pool is not None:
-            self.transport.forget_remote(pool[1])
 
     def _reconnect(self, write: _Write, reason: str) -> None:
         """`write` failed as disconnected (`peer_gone`). Where the backend connects only when a peer is imported
         (`reconnects_on_import`: NIXL, whose failed UCX endpoint fails every later write at once) and the peer
         still answers (its frames renew this writer's lease) under the import the write used, drop the peer's
         imports once its writes in flight end (`_drop_when_idle`): the next write to it after IMPORT_RETRY_S
-        imports it again (`_retry_import`), which connects anew. At most once per IMPORT_RETRY_S per peer: writes
+        imports it again (`PeerImports.retry`), which connects anew. At most once per IMPORT_RETRY_S per peer: writes
         under the dropped imports no longer match the peer's target, and new imports are made IMPORT_RETRY_S after
         the drop. A peer that is silent is left to the liveness check, whose fence drops its imports."""
         peer = write.action.peer
@@ -377,35 +297,20 @@ class PrefillAgent(BaseAgent):
         if self._in_flight_to(peer):
             return
         self._reconnecting.discard(peer)
-        self._reconnected.add(peer)
-        self._import_after[peer] = time.monotonic() + IMPORT_RETRY_S
-        self._drop_imports(peer, f"{RECONNECTING} ({peer})", peer_gone=True)
-
-    def _target(self, action: WriteRegion | WriteDirect) -> tuple[int, RemoteRegion] | None:
-        if isinstance(action, WriteRegion):
-            return self._rings.get(action.peer)
-        pool = self._pools.get(action.peer)
-        return None if pool is None else (pool[0], pool[1])
-
-    def _retry_import(self, peer: str) -> None:
-        """Import a known decode peer's descriptors again if its last import failed and IMPORT_RETRY_S have passed."""
-        record = self._records.get(peer)
-        if record is None or peer in self._rings or peer in self._importing or peer not in self._import_after:
-            return
-        if time.monotonic() >= self._import_after[peer]:
-            self._import_peer(record)
+        self._fail_queued(peer, f"{RECONNECTING} ({peer})", peer_gone=True)
+        self.imports.drop(peer, reconnect=True)
 
     def _issue(self, action: WriteRegion | WriteDirect) -> None:
         """Start (or queue) one write, after checking that the target memory belongs to the granting session."""
-        target = self._target(action)
-        if target is None:
-            self._retry_import(action.peer)
-            target = self._target(action)
+        target = self.imports.target(action)
+        record = self._records.get(action.peer)
+        if target is None and record is not None:
+            self.imports.retry(record)  # an import that failed, or was dropped to reconnect, IMPORT_RETRY_S ago
         if target is None:
             reason = NO_RING if isinstance(action, WriteRegion) else NO_POOL
-            if action.peer in self._records and action.peer not in self._importing:
+            if record is not None and not self.imports.loading(action.peer):
                 # its import failed, or was dropped to reconnect: then, as for a killed peer, "peer dead"
-                self._complete(action.token, False, reason, peer_gone=action.peer in self._reconnected)
+                self._complete(action.token, False, reason, peer_gone=self.imports.dropped(action.peer))
             else:
                 self._unresolved.append((time.monotonic(), action))
             return
@@ -432,10 +337,10 @@ class PrefillAgent(BaseAgent):
         waiting, self._unresolved = self._unresolved, []
         expired = time.monotonic() - self.config.timing.dead_after_s
         for since, action in waiting:
-            target = self._target(action)
+            target = self.imports.target(action)
             if target is not None and target[0] >= action.dst_session:
                 self._issue(action)
-            elif since < expired and action.peer not in self._importing:
+            elif since < expired and not self.imports.loading(action.peer):
                 reason = NO_RING if isinstance(action, WriteRegion) else NO_POOL
                 self._complete(action.token, False, f"{reason} (session {action.dst_session} never registered)")
             else:
@@ -504,7 +409,7 @@ class PrefillAgent(BaseAgent):
             self._complete(action.token, False, NO_LOCAL_POOL.format(device=self.pool.device))
             return
         try:
-            runs = self._direct_runs(action, self._pools[action.peer][2])
+            runs = self._direct_runs(action, self.imports.geometry(action.peer))
         except KVStageError as exc:
             self._complete(action.token, False, f"direct plan failed: {exc}")
             return
@@ -534,7 +439,7 @@ class PrefillAgent(BaseAgent):
 
     def _still_target(self, write: _Write) -> bool:
         """Whether `write`'s target memory is still its decode peer's (not fenced or replaced since it was posted)."""
-        target = self._target(write.action)
+        target = self.imports.target(write.action)
         return target is not None and target[1] is write.remote
 
     def _end_unposted(self, write: _Write, reason: str, peer_gone: bool = False) -> None:
