@@ -21,12 +21,11 @@ is dead; the routers wait 30 s for a /health answer (the shared host was seen fr
   cluster (the same tests) is `slow` (MOONCAKE): writes stalled there until Mooncake's 30 s timeout; its one-way cut
   is an expected failure besides (MOONCAKE_LATE_WRITES). NIXL beside a CPU hog is `slow` too; it counts the "peer
   dead" lines of its own requests only.
-- A pair's first room held its prefill rank silent for 10-12 s (4 of 5 cluster starts looked at, first seen inside
-  NIXL's `add_remote_agent`; imports now run off the agent thread and it still happened: cause open). With
-  `dead_after_s` at 10 s decode declared the live rank dead and released the room's ring space, and that rank's
-  writes, checked against their lease before the stall and posted after it, landed there: 3,060 canary bytes in 1 of
-  4 runs (the lease assumes no writer freezes that long, docs/transports.md). Hence DEAD_AFTER_S, docs/deploy.md's
-  20 s.
+- Before any room, each server computes one request of its own (WARM_UP_PROMPT): vLLM's CPU build compiles a layer
+  at its first forward. A pair's first room still held a prefill rank silent for 10-20+ s (4 of 5 cluster starts
+  looked at before that, 1 of 1 after; docs/deploy.md), and once (1 of 4 runs, `dead_after_s` at 10 s then) decode
+  declared the live rank dead and that rank's writes, checked against their lease before the stall and posted after
+  it, landed in the ring space decode had released: 3,060 canary bytes. Hence DEAD_AFTER_S.
 """
 
 from __future__ import annotations
@@ -65,8 +64,7 @@ pytestmark = pytest.mark.skipif(REFUSED is not None, reason=f"no multi-host harn
 
 #: Longer than the e2e cluster's 30 s: the shared 2-core host was seen frozen for 10-20 s at a time under load.
 ROOM_TIMEOUT_S = 60.0
-#: A pair's first room held its prefill rank silent for 10-12 s (module docstring): docs/deploy.md's 20 s keeps
-#: such a live rank from being declared dead.
+#: docs/deploy.md's value: well above the stalls of a healthy rank on the loaded test host (module docstring).
 DEAD_AFTER_S = 20.0
 SHORT_CUT_S = 3.0  # < DEAD_AFTER_S: the peers ride it out, or rooms fail by their own timers
 LONG_CUT_S = 25.0  # > DEAD_AFTER_S: each side declares the other dead
@@ -81,6 +79,10 @@ CUT_WITHIN_S = 5.0
 #: (TCP_RTO_MAX, 120 s) and a margin, since a connection whose segments were dropped during the cut sends again only
 #: when its backed-off timer fires (seen after the one-way cut: 0.2 s to 67 s).
 RESUME_S = 150.0
+#: Each server computes one request of its own before any room: vLLM's CPU build compiles a layer with torch.compile
+#: (Dynamo and Inductor, hashing torch's sources) at its first forward, --enforce-eager or not, which py-spy caught
+#: holding a worker for seconds at a pair's first room.
+WARM_UP_PROMPT = [5, 6, 7]
 #: Servers of a cluster start together within this.
 START_TIMEOUT_S = 600.0
 EXTRA_CONFIG = (
@@ -163,6 +165,8 @@ def hosts(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
         deadline = time.monotonic() + START_TIMEOUT_S
         for proc in procs.values():
             proc.wait_ready(max(deadline - time.monotonic(), 1.0))
+        with ThreadPoolExecutor(len(specs)) as pool:  # each server's first forward, before any room (WARM_UP)
+            list(pool.map(lambda s: complete(s.url, WARM_UP_PROMPT), specs.values()))
         routers = {}
         for prefill, decode in PAIRS:
             log = logs / f"router-{prefill}-{decode}.log"
