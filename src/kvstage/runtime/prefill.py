@@ -286,8 +286,7 @@ class PrefillAgent(BaseAgent):
             IMPORT_RETRY_S,
         )
         self.metrics.peer_reconnected()
-        self._reconnecting.add(peer)
-        self._drop_when_idle(peer)
+        self._reconnecting.add(peer)  # `_poll_transport` drops its imports once no write to it is in flight
 
     def _drop_when_idle(self, peer: str) -> None:
         """Drop a reconnecting peer's imports once no write to it is in flight (none is posted meanwhile). Dropping
@@ -470,9 +469,9 @@ class PrefillAgent(BaseAgent):
         current epoch towards the peer. Decode relies on it to know when a fenced writer's writes can no longer
         land. A write waiting for a lapsed lease is re-checked every turn; one whose target memory was forgotten
         (the peer fenced or replaced) or whose epoch has passed (the peer fenced us) fails without being posted."""
-        queued = self._queued.get(peer)
         if peer in self._reconnecting:  # its imports are dropped once its writes in flight end: post none
             return
+        queued = self._queued.get(peer)
         while queued:
             write = queued[0][0]
             why = self._unpostable(write)  # epochs only grow, so a passed epoch's writes are ahead of the others
