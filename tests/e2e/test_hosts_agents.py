@@ -6,7 +6,11 @@ once and pairs P2->D1 and P1->D2 hand off 8 rooms each at the same time.
 This separates Mooncake's own behaviour between namespaces (several engines per host: their handshake and data
 ports, the address each advertises, their segment names) from what vLLM adds: in test_hosts.py's Mooncake cluster
 writes stalled until Mooncake's 30 s progress timeout in 3 of 4 runs, while this arrangement hands off every room
-in well under a second (docs/deploy.md, "Which data backend")."""
+in well under a second (docs/deploy.md, "Which data backend").
+
+Also a bare transport on each of two hosts (mooncake_cut_peer.py): a write posted while the writer's packets to
+the reader are dropped (a one-way cut) must fail and must not land after the heal, which the kernel would make it
+do, retransmitting for up to half an hour, without the TCP_USER_TIMEOUT the backend sets on its connections."""
 
 from __future__ import annotations
 
@@ -84,3 +88,83 @@ def test_six_mooncake_engines_on_two_hosts_hand_off_every_room_of_both_pairs_bit
         assert set(r["outcomes"]) == rooms and not failed, f"{peer_id}: outcomes {r['outcomes']}"
         if LAYOUT[peer_id.split("/")[0]][0] == "decode":
             assert r["verified"] == dict.fromkeys(rooms, True), f"{peer_id}: KV differs in {r['verified']}"
+
+
+CUT_PEER = Path(__file__).with_name("mooncake_cut_peer.py")
+#: The writer's max_write_s: its connections to the reader's data port time out after half of it unacknowledged.
+MAX_WRITE_S = 4.5
+#: How long prefill's packets to decode are dropped: past the write's bound, and past several of the kernel's
+#: retransmissions (0.2, 0.6, 1.4, 3.0, 6.2 s after the first send), one of which would deliver it after the heal.
+ONE_WAY_CUT_S = 8.0
+#: After the heal, the kernel's next retransmission of an unbounded connection comes within this (12.6 s after the
+#: first send at the latest); a connection the kernel aborted sends nothing.
+AFTER_HEAL_S = 10.0
+CUT_BYTES = 4 << 20
+WARM_BYTES = 1 << 20
+
+
+class CutPeer:
+    """A mooncake_cut_peer.py process in a host's namespace, one command and one JSON answer at a time."""
+
+    def __init__(self, net: HostNet, host: str, role: str, log: Path, max_write_s: float | None = None) -> None:
+        argv = [sys.executable, str(CUT_PEER), role, "--host", net.hosts[host].address, "--bytes", str(CUT_BYTES)]
+        if max_write_s is not None:
+            argv += ["--max-write-s", str(max_write_s)]
+        where = net.placement(host, "")
+        self.proc = subprocess.Popen(
+            where.argv(argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log.open("wb"),
+            env={**os.environ, **where.env()}, text=True,
+        )  # fmt: skip
+
+    def send(self, command: str) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(command + "\n")
+        self.proc.stdin.flush()
+
+    def ask(self, command: str = "") -> dict[str, object]:
+        """The answer to `command` (sent first, if given) or to the last command sent."""
+        assert self.proc.stdout is not None
+        if command:
+            self.send(command)
+        line = self.proc.stdout.readline()
+        assert line, f"the {command or 'starting'} peer exited ({self.proc.poll()})"
+        return dict(json.loads(line))
+
+    def close(self) -> None:
+        self.proc.kill()
+        self.proc.wait(10)
+
+
+@pytest.mark.timeout(180)
+def test_a_mooncake_write_posted_into_a_one_way_cut_is_aborted_and_never_lands_after_the_heal(
+    tmp_path: Path,
+) -> None:
+    """Mooncake's TCP transport has no bound of its own on a posted write: the kernel retransmits unacknowledged
+    data for up to half an hour, so a write posted while prefill's packets to decode are dropped lands whenever the
+    link heals, long after decode released the space (the canary of test_hosts.py's one-way cut). The backend sets
+    TCP_USER_TIMEOUT (half of max_write_s) on its connections to the peer's data port, so the kernel aborts such a
+    connection instead: the write fails, and after the heal the reader's memory still holds its canary."""
+    with HostNet(("A", "B")) as net:
+        reader = CutPeer(net, "B", "reader", tmp_path / "reader.log")
+        writer = CutPeer(net, "A", "writer", tmp_path / "writer.log", max_write_s=MAX_WRITE_S)
+        try:
+            descriptor = reader.ask()["descriptor"]
+            assert writer.ask(f"import {descriptor}")["imported"]
+            warm = writer.ask(f"write 0 {WARM_BYTES}")
+            assert warm["ok"], warm
+            time.sleep(1.0)  # the writer's watcher bounds the warm write's connections within 0.2 s
+            net.block("A", "B")
+            try:
+                writer.send(f"write {WARM_BYTES} {CUT_BYTES - WARM_BYTES}")
+                time.sleep(ONE_WAY_CUT_S)
+            finally:
+                net.unblock("A")
+            cut = writer.ask()
+            time.sleep(AFTER_HEAL_S)
+            changed = int(reader.ask("changed")["changed"])  # type: ignore[call-overload]
+        finally:
+            writer.close()
+            reader.close()
+    assert not cut["ok"], f"the write posted into the cut reported success: {cut}"
+    late = changed - WARM_BYTES
+    assert late == 0, f"{late} bytes of the write posted into the cut landed after the heal ({cut})"

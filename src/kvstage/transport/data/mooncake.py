@@ -22,7 +22,12 @@ make it (`LEASE_EXPIRED` otherwise, with `peer_gone` if the peer is gone, as for
 `TransportConfig.max_write_s`, the write goes in calls of at most `PIECE_BYTES` and none is made once half of
 `max_write_s` has passed since the first. Once a call is made, kvstage cannot stop it: the binding gives up
 waiting after `MC_TRANSFER_TIMEOUT` (30 s by default, at least 5 s, plus a second per GiB) and frees the batch
-while its slices may still be moving (docs/transports.md).
+while its slices may still be moving (docs/transports.md). Over TCP, what does stop them is the kernel: a
+descriptor names the owner engine's data port (`data_port`, found at start as the port the engine listens on
+besides its handshake port), and after writes a watcher thread sets TCP_USER_TIMEOUT, half of `max_write_s`, on
+this process's connections to the data ports of imported peers (`tcp_timeouts.ConnectionTimeouts`). The kernel
+then aborts a connection whose data stays unacknowledged that long instead of sending it again for up to half an
+hour: a write posted into a one-way cut fails, and does not land after the heal.
 
 Invariants: a rejected, unreachable or timed-out write becomes a failed completion naming the peer session (with
 `peer_gone` when the owner's pid no longer runs in this process space, or else its handshake port refuses
@@ -33,11 +38,13 @@ lands inside registered memory, and `DataTransport` checks region bounds before 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
 import socket
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -58,6 +65,7 @@ from kvstage.transport.data.base import (
     WriteBound,
 )
 from kvstage.transport.data.local import pid_alive
+from kvstage.transport.data.tcp_timeouts import ConnectionTimeouts, listening_ports
 from kvstage.transport.data.workers import JobRunner
 
 log = logging.getLogger(__name__)
@@ -70,6 +78,8 @@ _SESSION_RE = re.compile(r"[A-Za-z0-9.\-:\[\]]{1,200}:\d{1,5}")
 #: How long the cause probe of a failed write waits for the peer's handshake port (see `_peer_gone`).
 _PROBE_TIMEOUT_S = 1.0
 _MAX_PID = 1 << 22  # Linux's pid_max ceiling
+#: While writes are in flight, new connections to peers' data ports get their TCP_USER_TIMEOUT within this.
+_BOUND_EVERY_S = 0.2
 _MAX_SPACE = 100
 
 
@@ -82,6 +92,8 @@ class _MooncakeRef(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     address: int
     pid: Annotated[int, msgspec.Meta(ge=1, le=_MAX_PID)]
     space: Annotated[str, msgspec.Meta(max_length=_MAX_SPACE)]
+    #: The TCP port the owner's engine receives writes on (0: not known, or RDMA).
+    data_port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,6 +133,8 @@ class MooncakeTransport(DataTransport):
         engine_class = load_engine_class()
         super().__init__(config)
         self._engine = engine_class()
+        tcp = config.mooncake_protocol == "tcp"
+        before = listening_ports() if tcp else set()
         rc = self._engine.initialize(
             config.host, config.mooncake_metadata_server, config.mooncake_protocol, config.mooncake_device
         )
@@ -129,11 +143,25 @@ class MooncakeTransport(DataTransport):
                 f"Mooncake transfer engine failed to start on {config.host} with protocol "
                 f"{config.mooncake_protocol!r} (code {rc}); for rdma check mooncake_device"
             )
-        self.session = f"{config.host}:{self._engine.get_rpc_port()}"
+        rpc_port = self._engine.get_rpc_port()
+        self.session = f"{config.host}:{rpc_port}"
+        self._data_port = _data_port(before, rpc_port) if tcp else 0
         self._peers: dict[int, _MooncakeRef] = {}
         self._writer: JobRunner[_Write] = JobRunner(
             f"kvstage-mooncake-{config.name}", self._run, _WORKERS, notify=self._completed
         )
+        self._running = 0  # writes running now
+        self._started = 0  # writes started so far
+        self._running_lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._timeouts: ConnectionTimeouts | None = None
+        self._watcher: threading.Thread | None = None
+        if tcp and config.max_write_s is not None:
+            self._timeouts = ConnectionTimeouts(config.max_write_s / 2)
+            self._watcher = threading.Thread(
+                target=self._bound_connections, name=f"kvstage-mooncake-bound-{config.name}", daemon=True
+            )
+            self._watcher.start()
 
     def _register(self, region: LocalRegion) -> None:
         rc = self._engine.register_memory(region.address, region.nbytes)
@@ -146,7 +174,8 @@ class MooncakeTransport(DataTransport):
             log.warning("Mooncake could not unregister region %d (code %d)", region.region_id, rc)
 
     def _export_payload(self, region: LocalRegion) -> bytes:
-        return msgspec.msgpack.encode(_MooncakeRef(self.session, region.address, os.getpid(), _process_space()))
+        ref = _MooncakeRef(self.session, region.address, os.getpid(), _process_space(), self._data_port)
+        return msgspec.msgpack.encode(ref)
 
     def _import(self, descriptor: RegionDescriptor, remote: RemoteRegion) -> None:
         try:
@@ -155,7 +184,54 @@ class MooncakeTransport(DataTransport):
             raise TransportError(f"malformed mooncake descriptor from {descriptor.owner!r}: {err}") from err
         if _SESSION_RE.fullmatch(ref.session) is None or ref.address <= 0:
             raise TransportError(f"mooncake descriptor from {descriptor.owner!r} has session {ref.session!r}")
+        if self._timeouts is not None:
+            self._watch(ref)
         self._peers[remote.key] = ref
+
+    def _watch(self, ref: _MooncakeRef) -> None:
+        """Have the watcher bound this process's connections to `ref`'s data port (its addresses resolved here)."""
+        assert self._timeouts is not None
+        host = ref.session.rpartition(":")[0].strip("[]")
+        if not ref.data_port:
+            log.warning("mooncake peer %s did not say its data port: writes to it are not bounded", ref.session)
+            return
+        try:
+            infos = socket.getaddrinfo(host, ref.data_port, type=socket.SOCK_STREAM)
+        except OSError as err:
+            log.warning("cannot resolve mooncake peer %s (%s): writes to it are not bounded", ref.session, err)
+            return
+        for info in infos:
+            self._timeouts.watch(str(info[4][0]), ref.data_port)
+
+    def _bound_connections(self) -> None:
+        """Watcher thread: while writes run, and once after writes that ran between two looks, give new
+        connections to watched data ports their TCP_USER_TIMEOUT (kvstage.transport.data.tcp_timeouts), so that no
+        posted write lands much later than `max_write_s` after it started."""
+        assert self._timeouts is not None
+        looked_at = 0
+        while not self._stopping.wait(_BOUND_EVERY_S):
+            if not self._running and self._started == looked_at:
+                continue
+            looked_at = self._started
+            try:
+                bounded = self._timeouts.apply()
+            except OSError as err:
+                log.warning("cannot read this process's sockets (%s): mooncake writes are not bounded", err)
+                return
+            if bounded:
+                log.debug("%d connection(s) to mooncake peers now time out after %d ms unacknowledged",
+                          bounded, self._timeouts.timeout_ms)  # fmt: skip
+
+    @contextlib.contextmanager
+    def _writing(self) -> Iterator[None]:
+        with self._running_lock:
+            self._running += 1
+            self._started += 1
+        try:
+            yield
+        finally:
+            with self._running_lock:
+                self._running -= 1
 
     def _forget(self, remote: RemoteRegion) -> None:
         self._peers.pop(remote.key, None)
@@ -169,6 +245,10 @@ class MooncakeTransport(DataTransport):
 
     def _run(self, write: _Write) -> Completion:
         """On a worker thread: one blocking batch call per piece, as the write's bound allows."""
+        with self._writing():
+            return self._move(write)
+
+    def _move(self, write: _Write) -> Completion:
         gone = False
 
         def call(piece: tuple[Slice, ...]) -> str:
@@ -198,10 +278,26 @@ class MooncakeTransport(DataTransport):
 
     def _close(self) -> None:
         self._writer.stop()
+        self._stopping.set()
+        if self._watcher is not None:
+            self._watcher.join()
         for region in list(self._regions.values()):
             self._unregister(region)
         self._peers.clear()
         self._engine = None
+
+
+def _data_port(before: set[int], rpc_port: int) -> int:
+    """The port the engine just started receives TCP writes on: the one it listens on besides its handshake port
+    (`rpc_port`) that this process did not listen on `before`; 0 (with a warning) if that is not one port."""
+    new = listening_ports() - before - {rpc_port}
+    if len(new) == 1:
+        return new.pop()
+    log.warning(
+        "cannot tell the mooncake engine's data port (new listening ports %s): writes to this engine are bounded "
+        "by the kernel's retransmissions only", sorted(new),
+    )  # fmt: skip
+    return 0
 
 
 def _peer_gone(peer: _MooncakeRef) -> str:
