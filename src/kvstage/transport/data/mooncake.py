@@ -1,33 +1,37 @@
 """The `mooncake` data backend: Mooncake Transfer Engine (`mooncake-transfer-engine-non-cuda`) on CPU memory.
 
 Owns: one `mooncake.engine.TransferEngine`, the regions registered with it, the imported peers' descriptors
-(session, address, owner pid and process space), and the worker threads that run its blocking write calls.
+(session, address, owner pid and process space), the worker threads that post writes and wait for them, and the
+batches still moving after their write stopped waiting (`_stranded`).
 
 How it works. The engine starts with the P2P handshake (no metadata service: a peer is named by its session
 "host:rpc_port") over TCP by default; `TransportConfig(mooncake_protocol="rdma", mooncake_device="mlx5_0")`
 selects RDMA. A descriptor carries the owner's session and the region's base address (a write targets
 `base + offset` in the peer's registered memory), and the owner's pid and process space (this kernel's boot id
-and the owner's pid namespace), from which a writer in the same space tells a dead owner. The Python binding
-offers a non-blocking status check only for single-task batches, so writes run as blocking batch calls (which
-release the GIL) on `_WORKERS` threads, and `poll` collects what they finished. A batch of n slices is n engine
-tasks (n operations), submitted in calls of at most `_MAX_TASKS_PER_CALL` tasks.
+and the owner's pid namespace), from which a writer in the same space tells a dead owner. Writes run on `_WORKERS`
+threads, and `poll` collects what they finished. A worker posts each slice as a one-task batch
+(`transfer_submit_write`), in pieces of at most `_MAX_TASKS_PER_CALL`, and looks at them every `_POLL_S`
+(`transfer_check_status`, the binding's only status check that does not block, and only for a batch's first task)
+until each has landed or failed, or `TransportConfig.write_timeout_s` has passed. Mooncake's blocking calls are not
+used: they poll in a loop that never pauses (`_POLL_S` says what that did). A write of n slices is n engine tasks
+(n operations).
 
 Logging. The engine logs through glog to standard error, a dozen INFO lines per engine (topology discovery,
 listening port, every segment removed at close), which would bury the caller's own output. Unless `MC_LOG_LEVEL`
 is set, kvstage sets it to WARNING before the engine module loads (it is read then): warnings and errors still
 show. `GLOG_minloglevel` has no effect on this wheel.
 
-Bounded writes. A batch call is made only if the write's `not_after` has not passed when its worker is about to
-make it (`LEASE_EXPIRED` otherwise, with `peer_gone` if the peer is gone, as for a failed write); with
-`TransportConfig.max_write_s`, the write goes in calls of at most `PIECE_BYTES` and none is made once half of
-`max_write_s` has passed since the first. Once a call is made, kvstage cannot stop it: the binding gives up
-waiting after `MC_TRANSFER_TIMEOUT` (30 s by default, at least 5 s, plus a second per GiB) and frees the batch
-while its slices may still be moving (docs/transports.md). Over TCP, what does stop them is the kernel: a
-descriptor names the owner engine's data port (`data_port`, found at start as the port the engine listens on
-besides its handshake port), and after writes a watcher thread sets TCP_USER_TIMEOUT, half of `max_write_s`, on
-this process's connections to the data ports of imported peers (`tcp_timeouts.ConnectionTimeouts`). The kernel
-then aborts a connection whose data stays unacknowledged that long instead of sending it again for up to half an
-hour: a write posted into a one-way cut fails, and does not land after the heal.
+Bounded writes. A piece is posted only if the write's `not_after` has not passed when its worker is about to post it
+(`LEASE_EXPIRED` otherwise, with `peer_gone` if the peer is gone, as for a failed write); with
+`TransportConfig.max_write_s`, the write goes in pieces of at most `PIECE_BYTES` and none is posted once half of
+`max_write_s` has passed since the first. Once a slice is posted, Mooncake offers no way to stop it: a worker that
+stops waiting keeps its batches (`_stranded`, at most `_MAX_STRANDED`) and frees them once they end. Over TCP, what
+does stop them is the kernel: a descriptor names the owner engine's data port (`data_port`, found at start as the
+port the engine listens on besides its handshake port), and after writes a watcher thread sets TCP_USER_TIMEOUT,
+half of `max_write_s`, on this process's connections to the data ports of imported peers
+(`tcp_timeouts.ConnectionTimeouts`). The kernel then aborts a connection whose data stays unacknowledged that long
+instead of sending it again for up to half an hour: a write posted into a one-way cut fails, and does not land after
+the heal.
 
 Invariants: a rejected, unreachable or timed-out write becomes a failed completion naming the peer session (with
 `peer_gone` when the owner's pid no longer runs in this process space, or else its handshake port refuses
@@ -44,6 +48,7 @@ import os
 import re
 import socket
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import cache
@@ -72,12 +77,22 @@ log = logging.getLogger(__name__)
 
 _WORKERS = 2
 _MAX_TASKS_PER_CALL = 512
-"""Largest engine batch we submit: Mooncake's TCP transport rejects (fails) work beyond a per-peer queue of 1024
-transfers, so a long `write_batch` goes out as consecutive calls of at most this many tasks on one worker."""
+"""Most slices a worker posts before it waits for them: Mooncake's TCP transport rejects (fails) work beyond a
+per-peer queue of 1024 transfers, so a long `write_batch` goes out as consecutive pieces of at most this many."""
 _SESSION_RE = re.compile(r"[A-Za-z0-9.\-:\[\]]{1,200}:\d{1,5}")
 #: How long the cause probe of a failed write waits for the peer's handshake port (see `_peer_gone`).
 _PROBE_TIMEOUT_S = 1.0
 _MAX_PID = 1 << 22  # Linux's pid_max ceiling
+_POLL_S = 0.0001
+"""How often a worker looks at the slices it posted. Mooncake's own blocking calls (`batch_transfer_sync_write`,
+`get_batch_transfer_status`) look in a loop that never pauses: the two writer threads of each prefill rank burned
+about 90 s of CPU each in one run of tests/e2e/test_hosts.py, starving the rest of the 2-core host (decode's engine
+too, whose writes then stalled until Mooncake's 30 s progress timeout)."""
+#: `transfer_check_status` answers: landed (and freed), failed (and freed); 0 is moving, -2 a slice timed out.
+_LANDED = 1
+_FAILED = -1
+_ENDED = (_LANDED, _FAILED)
+_MAX_STRANDED = 4096
 #: While writes are in flight, new connections to peers' data ports get their TCP_USER_TIMEOUT within this.
 _BOUND_EVERY_S = 0.2
 _MAX_SPACE = 100
@@ -150,6 +165,8 @@ class MooncakeTransport(DataTransport):
         self._writer: JobRunner[_Write] = JobRunner(
             f"kvstage-mooncake-{config.name}", self._run, _WORKERS, notify=self._completed
         )
+        self._stranded: list[int] = []
+        self._stranded_lock = threading.Lock()
         self._running = 0  # writes running now
         self._started = 0  # writes started so far
         self._running_lock = threading.Lock()
@@ -244,7 +261,7 @@ class MooncakeTransport(DataTransport):
         return ""
 
     def _run(self, write: _Write) -> Completion:
-        """On a worker thread: one blocking batch call per piece, as the write's bound allows."""
+        """On a worker thread: post the write piece by piece, as its bound allows, and wait for each piece."""
         with self._writing():
             return self._move(write)
 
@@ -253,19 +270,15 @@ class MooncakeTransport(DataTransport):
 
         def call(piece: tuple[Slice, ...]) -> str:
             nonlocal gone
-            rc = self._engine.batch_transfer_sync_write(
-                write.peer.session,
-                [write.src + s_off for s_off, _, _ in piece],
-                [write.peer.address + d_off for _, d_off, _ in piece],
-                [length for _, _, length in piece],
-            )
-            if rc == 0:
+            failure = self._post(write, piece)
+            if not failure:
                 return ""
             cause = _peer_gone(write.peer)
             gone = bool(cause)
             cause = cause or "peer unreachable or rejected it"
-            return f"mooncake write to {write.peer.session} failed (code {rc}): {cause}"
+            return f"mooncake write to {write.peer.session} failed ({failure}): {cause}"
 
+        self._sweep_stranded()
         reason = write.bound.move(write.slices, call, _MAX_TASKS_PER_CALL)
         if reason == LEASE_EXPIRED:  # nothing was posted; if the peer is gone too, that is what its room should say
             gone = bool(_peer_gone(write.peer))
@@ -273,11 +286,70 @@ class MooncakeTransport(DataTransport):
             log.warning("transfer %d: %s", write.transfer_id, reason)
         return Completion(write.transfer_id, not reason, reason, write.ops, peer_gone=gone)
 
+    def _post(self, write: _Write, piece: tuple[Slice, ...]) -> str:
+        """Post each slice of `piece` as a one-task batch and wait for all of them: "" once every one has landed,
+        else what went wrong (the slices posted before a refusal are waited for too)."""
+        batches: list[int] = []
+        refused = 0
+        for s_off, d_off, length in piece:
+            batch = self._engine.transfer_submit_write(
+                write.peer.session, write.src + s_off, write.peer.address + d_off, length
+            )
+            if not batch:  # Mooncake could not open the peer's segment, or refused the task
+                refused = len(piece) - len(batches)
+                break
+            batches.append(batch)
+        failure = self._wait(batches)
+        if refused:
+            return f"{refused} of {len(piece)} slices refused" + (f", {failure}" if failure else "")
+        return failure
+
+    def _wait(self, batches: list[int]) -> str:
+        """Poll `batches` (one task each) every `_POLL_S` until each has ended or the write timeout has passed;
+        "" when all landed, else how many failed or are still moving (those are kept in `_stranded`)."""
+        deadline = time.monotonic() + self.config.write_timeout_s
+        failed = 0
+        while batches:
+            pending = []
+            for batch in batches:
+                status = self._engine.transfer_check_status(batch)  # frees the batch once it has ended
+                if status == _FAILED:
+                    failed += 1
+                elif status != _LANDED:  # moving, or timed out (Mooncake keeps that batch): wait for its end
+                    pending.append(batch)
+            batches = pending
+            if batches and time.monotonic() > deadline:
+                self._strand(batches)
+                return f"{len(batches)} slices still moving after {self.config.write_timeout_s:.0f} s"
+            if batches:
+                time.sleep(_POLL_S)
+        return f"{failed} slices failed" if failed else ""
+
+    def _strand(self, batches: list[int]) -> None:
+        """Keep batches still moving after their write gave up waiting, to free them once they end: Mooncake frees
+        a batch only when asked after its end (freeing a running one is unsafe). At most `_MAX_STRANDED` are kept;
+        beyond that the oldest are left to Mooncake, which keeps their memory (logged)."""
+        with self._stranded_lock:
+            self._stranded.extend(batches)
+            excess = len(self._stranded) - _MAX_STRANDED
+            if excess > 0:
+                del self._stranded[:excess]
+                log.error("mooncake: %d batches that never ended are no longer looked at (their memory leaks)", excess)
+
+    def _sweep_stranded(self) -> None:
+        """Free the stranded batches that have ended since the last look."""
+        with self._stranded_lock:
+            if self._stranded:
+                self._stranded = [b for b in self._stranded if self._engine.transfer_check_status(b) not in _ENDED]
+
     def _progress(self) -> list[Completion]:
         return self._writer.drain()
 
     def _close(self) -> None:
         self._writer.stop()
+        self._sweep_stranded()
+        if self._stranded:
+            log.warning("mooncake: %d batches had not ended at close", len(self._stranded))
         self._stopping.set()
         if self._watcher is not None:
             self._watcher.join()
