@@ -16,6 +16,10 @@ rest of the session, so that the servers stop once its tests are done (`pytest_c
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+import sys
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -61,6 +65,36 @@ MLA_PAIR = {"MP2": ("prefill", 2), "MD1": ("decode", 1)}
 
 #: The cluster's servers are ready within this, or the session fails.
 START_TIMEOUT_S = 600.0
+
+
+#: py-spy's answer per process is cut to this many characters in a failed test's report.
+STACKS_CHARS = 6000
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[pytest.TestReport]:
+    """A failed end-to-end test reports where each vLLM process of the machine stands (py-spy's Python stacks of
+    every process named VLLM::..., its engine core and workers): an engine that hangs is then diagnosable from the
+    test's output alone, after its servers are gone."""
+    report = yield
+    if report.when == "call" and report.failed:
+        report.sections.append(("vLLM stacks at the failure", _vllm_stacks()))
+    return report
+
+
+def _vllm_stacks() -> str:
+    spy = shutil.which("py-spy", path=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}")
+    if spy is None:
+        return "py-spy is not installed"
+    found = subprocess.run(["pgrep", "^VLLM::"], capture_output=True, text=True, check=False).stdout.split()
+    dumps = []
+    for pid in found:
+        try:
+            out = subprocess.run([spy, "dump", "--pid", pid], capture_output=True, text=True, timeout=30, check=False)
+            dumps.append((out.stdout + out.stderr)[:STACKS_CHARS])
+        except subprocess.TimeoutExpired:
+            dumps.append(f"py-spy gave no answer for process {pid} within 30 s")
+    return "\n".join(dumps) or "no VLLM:: process runs"
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

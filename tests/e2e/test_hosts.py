@@ -17,10 +17,12 @@ is dead; the routers wait 30 s for a /health answer (the shared host was seen fr
   failed room names its reason, new rooms are handed off bit-exact on both instances after the heal without a
   restart (within RESUME_S: the first rooms after a cut may be recomputed), decode's ring drains, and the canary
   decode keeps in its free ring bytes (`ring_canary`) is intact: no write landed after its room released the space.
-- The default run has NIXL's cluster (about 2.6 min on the quiet host, 1.7 of them starting the servers). Mooncake's
-  cluster (the same tests) is `slow` (MOONCAKE): writes stalled there until Mooncake's 30 s timeout; its one-way cut
-  is an expected failure besides (MOONCAKE_LATE_WRITES). NIXL beside a CPU hog is `slow` too; it counts the "peer
-  dead" lines of its own requests only.
+- The default run has both clusters, NIXL's and then Mooncake's (about 2.6 and 2.2 min on the quiet host, most of
+  it starting the servers). Mooncake's used to stall the host: Mooncake's blocking write call polls without pausing,
+  and with two writer threads per prefill rank doing so the 2-core host froze for up to 52 s and writes stalled
+  until Mooncake's 30 s progress timeout; the backend now polls every 0.1 ms itself (kvstage.transport.data.mooncake).
+  Its one-way cut overwrote the canary until the backend bounded its TCP connections (TCP_USER_TIMEOUT). NIXL
+  beside a CPU hog is `slow`; it counts the "peer dead" lines of its own requests only.
 - Before any room, each server computes one request of its own (WARM_UP_PROMPT): vLLM's CPU build compiles a layer
   at its first forward. A pair's first room still held a prefill rank silent for 10-20+ s (4 of 5 cluster starts
   looked at before that, 1 of 1 after; docs/deploy.md), and once (1 of 4 runs, `dead_after_s` at 10 s then) decode
@@ -99,11 +101,6 @@ ROUTER_ARGS = ("--health-timeout", "30")
 #: The instances of a cluster: name -> (role, TP, host), and the pairs a router serves.
 LAYOUT = {"P2": ("prefill", 2, "A"), "P1": ("prefill", 1, "A"), "D1": ("decode", 1, "B"), "D2": ("decode", 2, "B")}
 PAIRS = (("P2", "D1"), ("P1", "D2"))
-#: Mooncake's cluster is opt-in (`slow`): in it (four vLLM servers, three Mooncake engines per host) a write stalled
-#: until Mooncake's 30 s TCP progress timeout in 3 of 4 runs (7 of 8 rooms of P2->D1 handed off), each time while the
-#: whole machine stalled (docs/deploy.md); the same engines without vLLM hand off every room (test_hosts_agents.py).
-#: Its tests would fail the default run and cost it minutes.
-MOONCAKE = pytest.param("mooncake", marks=pytest.mark.slow)
 _FAILED = re.compile(r"kvstage room (\d+) \(request (\S+)\) failed: (.+)")
 _ids = itertools.count()
 
@@ -257,7 +254,7 @@ def failures(h: Hosts, decode: str, tag: str) -> dict[str, str]:
 
 
 @pytest.mark.timeout(300 + START_TIMEOUT_S)
-@pytest.mark.parametrize("hosts", ["nixl", MOONCAKE], indirect=True)
+@pytest.mark.parametrize("hosts", ["nixl", "mooncake"], indirect=True)
 @pytest.mark.parametrize(("prefill", "decode"), PAIRS, ids=["P2-D1", "P1-D2"])
 def test_across_hosts_every_request_is_handed_off_bit_exact_with_the_single_instance_tokens(
     hosts: Hosts, prefill: str, decode: str
@@ -360,7 +357,7 @@ def assert_healed(p: Pair) -> None:
 
 
 @pytest.mark.timeout(420)
-@pytest.mark.parametrize("hosts", ["nixl", MOONCAKE], indirect=True)
+@pytest.mark.parametrize("hosts", ["nixl", "mooncake"], indirect=True)
 def test_a_link_cut_shorter_than_dead_after_ends_every_room_and_service_resumes_after_the_heal(hosts: Hosts) -> None:
     p = Pair(hosts, "P2", "D1")
     run_through_cut(p, lambda: hosts.net.link_down("A", "B"), lambda: hosts.net.link_up("A", "B"), SHORT_CUT_S)
@@ -368,7 +365,7 @@ def test_a_link_cut_shorter_than_dead_after_ends_every_room_and_service_resumes_
 
 
 @pytest.mark.timeout(420)
-@pytest.mark.parametrize("hosts", ["nixl", MOONCAKE], indirect=True)
+@pytest.mark.parametrize("hosts", ["nixl", "mooncake"], indirect=True)
 def test_a_link_cut_longer_than_dead_after_fails_rooms_with_named_reasons_and_vllm_recomputes(hosts: Hosts) -> None:
     p = Pair(hosts, "P2", "D1")
     _, found = run_through_cut(
@@ -378,23 +375,8 @@ def test_a_link_cut_longer_than_dead_after_fails_rooms_with_named_reasons_and_vl
     assert_healed(p)
 
 
-#: Mooncake's TCP transport bounds a posted write by nothing but the kernel (docs/transports.md): in the one-way cut,
-#: prefill still hears decode for a moment (decode's first segments reach it), posts writes into the cut under a lease
-#: that was valid, and they land after the heal, in ring space decode released when it declared prefill dead.
-MOONCAKE_LATE_WRITES = pytest.mark.xfail(
-    reason="a Mooncake TCP write posted into a one-way cut lands after the heal (canary overwritten)", strict=False
-)
-
-
 @pytest.mark.timeout(420)
-@pytest.mark.parametrize(
-    "hosts",
-    [
-        "nixl",
-        pytest.param("mooncake", marks=[pytest.mark.slow, MOONCAKE_LATE_WRITES]),
-    ],
-    indirect=True,
-)
+@pytest.mark.parametrize("hosts", ["nixl", "mooncake"], indirect=True)
 def test_a_one_way_cut_from_prefill_to_decode_ends_every_room_and_service_resumes(hosts: Hosts) -> None:
     p = Pair(hosts, "P2", "D1")
     run_through_cut(p, lambda: hosts.net.block("A", "B"), lambda: hosts.net.unblock("A"), LONG_CUT_S)
