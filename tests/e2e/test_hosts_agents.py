@@ -4,9 +4,9 @@ kvstage.e2e.hosts), one process per TP rank as vLLM runs them, so six Mooncake e
 once and pairs P2->D1 and P1->D2 hand off 8 rooms each at the same time.
 
 This separates Mooncake's own behaviour between namespaces (several engines per host: their handshake and data
-ports, the address each advertises, their segment names) from what vLLM adds: in test_hosts.py's Mooncake cluster
-writes stalled until Mooncake's 30 s progress timeout in 3 of 4 runs, while this arrangement hands off every room
-in well under a second (docs/deploy.md, "Which data backend").
+ports, the address each advertises, their segment names) from what vLLM adds: when test_hosts.py's Mooncake cluster
+stalled (Mooncake's blocking write call spinning, since replaced; docs/deploy.md, "Which data backend"), this
+arrangement still handed off every room in well under a second.
 
 Also a bare transport on each of two hosts (mooncake_cut_peer.py): a write posted while the writer's packets to
 the reader are dropped (a one-way cut) must fail and must not land after the heal, which the kernel would make it
@@ -111,10 +111,11 @@ class CutPeer:
         if max_write_s is not None:
             argv += ["--max-write-s", str(max_write_s)]
         where = net.placement(host, "")
-        self.proc = subprocess.Popen(
-            where.argv(argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log.open("wb"),
-            env={**os.environ, **where.env()}, text=True,
-        )  # fmt: skip
+        with log.open("wb") as stderr:
+            self.proc = subprocess.Popen(
+                where.argv(argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr,
+                env={**os.environ, **where.env()}, text=True,
+            )  # fmt: skip
 
     def send(self, command: str) -> None:
         assert self.proc.stdin is not None

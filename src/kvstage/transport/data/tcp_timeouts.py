@@ -30,7 +30,7 @@ import logging
 import os
 import socket
 import threading
-from collections.abc import Iterator
+from collections.abc import Container, Iterator
 
 log = logging.getLogger(__name__)
 
@@ -78,9 +78,12 @@ def _borrow(fd: int, inode: int) -> socket.socket | None:
     return sock
 
 
-def tcp_sockets() -> Iterator[tuple[int, socket.socket]]:
-    """(inode, borrowed duplicate) for each internet TCP socket of this process; each is closed after its turn."""
-    for inode, fd in _socket_fds().items():
+def tcp_sockets(fds: dict[int, int] | None = None, skip: Container[int] = ()) -> Iterator[tuple[int, socket.socket]]:
+    """(inode, borrowed duplicate) for each internet TCP socket among `fds` (inode -> descriptor; default: all of
+    this process's) whose inode is not in `skip`; each duplicate is closed after its turn."""
+    for inode, fd in (_socket_fds() if fds is None else fds).items():
+        if inode in skip:
+            continue
         sock = _borrow(fd, inode)
         if sock is not None:
             with sock:
@@ -126,14 +129,8 @@ class ConnectionTimeouts:
             fds = _socket_fds()
             self._settled &= fds.keys()
             bounded = 0
-            for inode, fd in fds.items():
-                if inode in self._settled:
-                    continue
-                sock = _borrow(fd, inode)
-                if sock is None:
-                    continue
-                with sock:
-                    settled, hit = self._settle(sock)
+            for inode, sock in tcp_sockets(fds, skip=self._settled):
+                settled, hit = self._settle(sock)
                 if settled:
                     self._settled.add(inode)
                 bounded += hit
