@@ -30,8 +30,10 @@ does stop them is the kernel: a descriptor names the owner engine's data port (`
 port the engine listens on besides its handshake port), and after writes a watcher thread sets TCP_USER_TIMEOUT,
 half of `max_write_s`, on this process's connections to the data ports of imported peers
 (`tcp_timeouts.ConnectionTimeouts`). The kernel then aborts a connection whose data stays unacknowledged that long
-instead of sending it again for up to half an hour: a write posted into a one-way cut fails, and does not land after
-the heal.
+instead of sending it again for up to half an hour, so bytes already handed to the kernel do not land after a heal.
+That bound stops short of slices still in Mooncake's own per-peer queue (every lane busy, or reconnecting): those
+go out whenever a connection is made again, after a heal too, and nothing in Mooncake or here stops them
+(docs/transports.md, "What no backend bounds").
 
 Invariants: a rejected, unreachable or timed-out write becomes a failed completion naming the peer session (with
 `peer_gone` when the owner's pid no longer runs in this process space, or else its handshake port refuses
