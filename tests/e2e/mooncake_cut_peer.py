@@ -3,8 +3,9 @@ mooncake transport (no agents), driven by one command per line on standard input
 
 reader: allocates `--bytes` filled with CANARY and prints its descriptor (hex); `changed` answers how many bytes
 no longer hold the canary.
-writer: `import HEX` imports a reader's descriptor; `write OFFSET LENGTH` writes that much of a 0x5A source into it
-and answers once the write completes, with its outcome and how long it took."""
+writer: `import HEX` imports a reader's descriptor; `write OFFSET LENGTH [SLICES]` writes that much of a 0x5A source
+into it, as one write of SLICES equal slices (default 1), and answers once the write completes, with its outcome and
+how long it took."""
 
 from __future__ import annotations
 
@@ -55,9 +56,11 @@ def main() -> None:
                 answer(imported=True)
             elif command == "write":
                 assert remote is not None, "import first"
-                offset, length = map(int, rest)
+                offset, length, count = (*map(int, rest), 1)[:3]
+                step = length // count
+                slices = [(offset + i * step, offset + i * step, step) for i in range(count)]
                 start = time.monotonic()
-                transfer = transport.write(source, offset, remote, offset, length)
+                transfer = transport.write_batch(source, remote, slices)
                 done = wait_for(transport, [transfer], timeout_s=120.0)[transfer]
                 answer(ok=done.ok, reason=done.reason, seconds=round(time.monotonic() - start, 2))
 

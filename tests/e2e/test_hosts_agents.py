@@ -10,7 +10,8 @@ arrangement still handed off every room in well under a second.
 
 Also a bare transport on each of two hosts (mooncake_cut_peer.py): a write posted while the writer's packets to
 the reader are dropped (a one-way cut) must fail and must not land after the heal, which the kernel would make it
-do, retransmitting for up to half an hour, without the TCP_USER_TIMEOUT the backend sets on its connections."""
+do, retransmitting for up to half an hour, without the TCP_USER_TIMEOUT the backend sets on its connections, and
+Mooncake would, for slices still in its own queue, without the backend cutting the peer's connections."""
 
 from __future__ import annotations
 
@@ -101,6 +102,9 @@ ONE_WAY_CUT_S = 8.0
 AFTER_HEAL_S = 10.0
 CUT_BYTES = 4 << 20
 WARM_BYTES = 1 << 20
+#: Slices of the write posted into the cut: far more than Mooncake's connections to a peer (4 lanes), so that most
+#: wait in its own queue for a lane, and for a new connection once the kernel aborted the lanes.
+CUT_SLICES = 96
 
 
 class CutPeer:
@@ -137,14 +141,18 @@ class CutPeer:
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.parametrize("slices", [1, CUT_SLICES], ids=["one-slice", "queued-slices"])
 def test_a_mooncake_write_posted_into_a_one_way_cut_is_aborted_and_never_lands_after_the_heal(
-    tmp_path: Path,
+    tmp_path: Path, slices: int
 ) -> None:
     """Mooncake's TCP transport has no bound of its own on a posted write: the kernel retransmits unacknowledged
     data for up to half an hour, so a write posted while prefill's packets to decode are dropped lands whenever the
     link heals, long after decode released the space (the canary of test_hosts.py's one-way cut). The backend sets
     TCP_USER_TIMEOUT (half of max_write_s) on its connections to the peer's data port, so the kernel aborts such a
-    connection instead: the write fails, and after the heal the reader's memory still holds its canary."""
+    connection instead (`one-slice`). Slices beyond Mooncake's 4 connections to a peer wait in its own queue, and it
+    sends them on a new connection once one succeeds, after the heal too (3,112,960 of 3,145,728 bytes landed so
+    before the backend cut the peer's connections until they end: `queued-slices`). Either way the write fails, and
+    after the heal the reader's memory still holds its canary."""
     with HostNet(("A", "B")) as net:
         reader = CutPeer(net, "B", "reader", tmp_path / "reader.log")
         writer = CutPeer(net, "A", "writer", tmp_path / "writer.log", max_write_s=MAX_WRITE_S)
@@ -156,7 +164,7 @@ def test_a_mooncake_write_posted_into_a_one_way_cut_is_aborted_and_never_lands_a
             time.sleep(1.0)  # the writer's watcher bounds the warm write's connections within 0.2 s
             net.block("A", "B")
             try:
-                writer.send(f"write {WARM_BYTES} {CUT_BYTES - WARM_BYTES}")
+                writer.send(f"write {WARM_BYTES} {CUT_BYTES - WARM_BYTES} {slices}")
                 time.sleep(ONE_WAY_CUT_S)
             finally:
                 net.unblock("A")

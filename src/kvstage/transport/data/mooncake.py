@@ -1,8 +1,8 @@
 """The `mooncake` data backend: Mooncake Transfer Engine (`mooncake-transfer-engine-non-cuda`) on CPU memory.
 
 Owns: one `mooncake.engine.TransferEngine`, the regions registered with it, the imported peers' descriptors
-(session, address, owner pid and process space), the worker threads that post writes and wait for them, and the
-batches still moving after their write stopped waiting (`_stranded`).
+(session, address, owner pid and process space), the worker threads that post writes and wait for them, the batches
+still moving after their write stopped waiting (`_stranded`), and the guard on its TCP connections.
 
 How it works. The engine starts with the P2P handshake (no metadata service: a peer is named by its session
 "host:rpc_port") over TCP by default; `TransportConfig(mooncake_protocol="rdma", mooncake_device="mlx5_0")`
@@ -24,16 +24,20 @@ show. `GLOG_minloglevel` has no effect on this wheel.
 Bounded writes. A piece is posted only if the write's `not_after` has not passed when its worker is about to post it
 (`LEASE_EXPIRED` otherwise, with `peer_gone` if the peer is gone, as for a failed write); with
 `TransportConfig.max_write_s`, the write goes in pieces of at most `PIECE_BYTES` and none is posted once half of
-`max_write_s` has passed since the first. Once a slice is posted, Mooncake offers no way to stop it: a worker that
-stops waiting keeps its batches (`_stranded`, at most `_MAX_STRANDED`) and frees them once they end. Over TCP, what
-does stop them is the kernel: a descriptor names the owner engine's data port (`data_port`, found at start as the
-port the engine listens on besides its handshake port), and after writes a watcher thread sets TCP_USER_TIMEOUT,
-half of `max_write_s`, on this process's connections to the data ports of imported peers
-(`tcp_timeouts.ConnectionTimeouts`). The kernel then aborts a connection whose data stays unacknowledged that long
-instead of sending it again for up to half an hour, so bytes already handed to the kernel do not land after a heal.
-That bound stops short of slices still in Mooncake's own per-peer queue (every lane busy, or reconnecting): those
-go out whenever a connection is made again, after a heal too, and nothing in Mooncake or here stops them
-(docs/transports.md, "What no backend bounds").
+`max_write_s` has passed since the first. Once a slice is posted, Mooncake offers no way to stop it, so over TCP
+kvstage stops it at the socket (`tcp_guard.ConnectionGuard`), on this process's connections to the data port that
+a descriptor names (`data_port`, found at start as the port the engine listens on besides its handshake port):
+- a watcher thread sets TCP_USER_TIMEOUT, half of `max_write_s`, on each such connection (connecting ones too)
+  within `_BOUND_EVERY_S` of a write: the kernel aborts a connection whose data stays unacknowledged that long,
+  instead of sending it again for up to half an hour, so bytes handed to the kernel do not land after a heal;
+- a write stops waiting `_GIVE_UP_SHARE` of `max_write_s` after it started (or after `write_timeout_s`). Its slices
+  still moving may sit in Mooncake's own per-peer queue, behind its 4 connections (or waiting for a new one once the
+  kernel aborted them), which would send them whenever a connection succeeds, after a heal too. So they are kept
+  (`_Stranded`, at most `_MAX_STRANDED`, freed once they end), and until none is left the watcher cuts every
+  connection to that peer's data port every `_SEVER_EVERY_S`, connecting ones included: Mooncake then fails the
+  slices on the cut connections and, once no connection can be made, its whole queue for the peer. New writes to
+  that peer meanwhile fail at once, naming why.
+A peer whose descriptor names no data port is bounded by its pieces only (logged at import).
 
 Invariants: a rejected, unreachable or timed-out write becomes a failed completion naming the peer session (with
 `peer_gone` when the owner's pid no longer runs in this process space, or else its handshake port refuses
@@ -51,7 +55,7 @@ import re
 import socket
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -72,7 +76,7 @@ from kvstage.transport.data.base import (
     WriteBound,
 )
 from kvstage.transport.data.local import pid_alive
-from kvstage.transport.data.tcp_timeouts import ConnectionTimeouts, listening_ports
+from kvstage.transport.data.tcp_guard import ConnectionGuard, Endpoint, endpoint, listening_ports
 from kvstage.transport.data.workers import JobRunner
 
 log = logging.getLogger(__name__)
@@ -97,6 +101,11 @@ _ENDED = (_LANDED, _FAILED)
 _MAX_STRANDED = 4096
 #: While writes are in flight, new connections to peers' data ports get their TCP_USER_TIMEOUT within this.
 _BOUND_EVERY_S = 0.2
+#: While slices of writes that gave up are still moving, their peers' connections are cut this often.
+_SEVER_EVERY_S = 0.02
+_GIVE_UP_SHARE = 0.75
+"""A bounded write stops waiting this share of `max_write_s` after it started (the last piece starts before half):
+its slices still moving are then cut off (`_Stranded`), with the rest of `max_write_s` for that to take."""
 _MAX_SPACE = 100
 
 
@@ -115,10 +124,12 @@ class _MooncakeRef(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 @dataclass(frozen=True, slots=True)
 class _Write:
-    """One write for a worker: `slices` from local memory at `src` into `peer`'s memory at its region's address."""
+    """One write for a worker: `slices` from local memory at `src` into `peer`'s memory at its region's address;
+    `endpoints` are the peer's data port at each of its addresses (empty: not known, or not TCP)."""
 
     transfer_id: int
     peer: _MooncakeRef
+    endpoints: frozenset[Endpoint]
     src: int
     slices: tuple[Slice, ...]
     bound: WriteBound
@@ -164,19 +175,20 @@ class MooncakeTransport(DataTransport):
         self.session = f"{config.host}:{rpc_port}"
         self._data_port = _data_port(before, rpc_port) if tcp else 0
         self._peers: dict[int, _MooncakeRef] = {}
+        self._endpoints: dict[int, frozenset[Endpoint]] = {}
         self._writer: JobRunner[_Write] = JobRunner(
             f"kvstage-mooncake-{config.name}", self._run, _WORKERS, notify=self._completed
         )
-        self._stranded: list[int] = []
-        self._stranded_lock = threading.Lock()
+        self._stranded = _Stranded()
         self._running = 0  # writes running now
         self._started = 0  # writes started so far
         self._running_lock = threading.Lock()
         self._stopping = threading.Event()
-        self._timeouts: ConnectionTimeouts | None = None
+        self._nudge = threading.Event()
+        self._guard: ConnectionGuard | None = None
         self._watcher: threading.Thread | None = None
         if tcp and config.max_write_s is not None:
-            self._timeouts = ConnectionTimeouts(config.max_write_s / 2)
+            self._guard = ConnectionGuard(config.max_write_s / 2)
             self._watcher = threading.Thread(
                 target=self._bound_connections, name=f"kvstage-mooncake-bound-{config.name}", daemon=True
             )
@@ -203,43 +215,41 @@ class MooncakeTransport(DataTransport):
             raise TransportError(f"malformed mooncake descriptor from {descriptor.owner!r}: {err}") from err
         if _SESSION_RE.fullmatch(ref.session) is None or ref.address <= 0:
             raise TransportError(f"mooncake descriptor from {descriptor.owner!r} has session {ref.session!r}")
-        if self._timeouts is not None:
-            self._watch(ref)
+        endpoints = _data_endpoints(ref) if self._guard is not None else frozenset()
+        if endpoints:
+            assert self._guard is not None
+            self._guard.watch(endpoints)
         self._peers[remote.key] = ref
-
-    def _watch(self, ref: _MooncakeRef) -> None:
-        """Have the watcher bound this process's connections to `ref`'s data port (its addresses resolved here)."""
-        assert self._timeouts is not None
-        host = ref.session.rpartition(":")[0].strip("[]")
-        if not ref.data_port:
-            log.warning("mooncake peer %s did not say its data port: writes to it are not bounded", ref.session)
-            return
-        try:
-            infos = socket.getaddrinfo(host, ref.data_port, type=socket.SOCK_STREAM)
-        except OSError as err:
-            log.warning("cannot resolve mooncake peer %s (%s): writes to it are not bounded", ref.session, err)
-            return
-        for info in infos:
-            self._timeouts.watch(str(info[4][0]), ref.data_port)
+        self._endpoints[remote.key] = endpoints
 
     def _bound_connections(self) -> None:
         """Watcher thread: while writes run, and once after writes that ran between two looks, give new
-        connections to watched data ports their TCP_USER_TIMEOUT (kvstage.transport.data.tcp_timeouts), so that no
-        posted write lands much later than `max_write_s` after it started."""
-        assert self._timeouts is not None
+        connections to watched data ports their TCP_USER_TIMEOUT; while slices of writes that gave up are still
+        moving, cut every connection to their peers' data ports, so that Mooncake fails them rather than sending
+        them on a new connection (kvstage.transport.data.tcp_guard). Together: no posted write lands later than
+        `max_write_s` after it started."""
+        assert self._guard is not None
         looked_at = 0
-        while not self._stopping.wait(_BOUND_EVERY_S):
-            if not self._running and self._started == looked_at:
-                continue
-            looked_at = self._started
-            try:
-                bounded = self._timeouts.apply()
-            except OSError as err:
-                log.warning("cannot read this process's sockets (%s): mooncake writes are not bounded", err)
+        while True:
+            self._nudge.wait(_SEVER_EVERY_S if self._stranded else _BOUND_EVERY_S)
+            self._nudge.clear()
+            if self._stopping.is_set():
                 return
-            if bounded:
-                log.debug("%d connection(s) to mooncake peers now time out after %d ms unacknowledged",
-                          bounded, self._timeouts.timeout_ms)  # fmt: skip
+            try:
+                self._sever_stranded(self._guard)
+                if self._running or self._started != looked_at:
+                    looked_at = self._started
+                    self._guard.bound()
+            except OSError as err:
+                log.error("cannot read this process's sockets (%s): mooncake writes are no longer bounded", err)
+                return
+
+    def _sever_stranded(self, guard: ConnectionGuard) -> None:
+        held = self._stranded.sweep(self._engine.transfer_check_status)
+        severed = guard.sever(held)
+        if severed:
+            log.warning("mooncake: cut %d connection(s) to %s, where %d slices of writes that gave up are still "
+                        "moving", severed, _names(held), len(self._stranded))  # fmt: skip
 
     @contextlib.contextmanager
     def _writing(self) -> Iterator[None]:
@@ -254,12 +264,13 @@ class MooncakeTransport(DataTransport):
 
     def _forget(self, remote: RemoteRegion) -> None:
         self._peers.pop(remote.key, None)
+        self._endpoints.pop(remote.key, None)
 
     def _submit(
         self, transfer_id: int, src: LocalRegion, dst: RemoteRegion, slices: Sequence[Slice], bound: WriteBound
     ) -> str:
-        peer = self._peers[dst.key]
-        self._writer.submit(_Write(transfer_id, peer, src.address, tuple(slices), bound))
+        write = _Write(transfer_id, self._peers[dst.key], self._endpoints[dst.key], src.address, tuple(slices), bound)
+        self._writer.submit(write)
         return ""
 
     def _run(self, write: _Write) -> Completion:
@@ -269,10 +280,12 @@ class MooncakeTransport(DataTransport):
 
     def _move(self, write: _Write) -> Completion:
         gone = False
+        max_write_s = write.bound.max_write_s
+        give_up = time.monotonic() + max_write_s * _GIVE_UP_SHARE if max_write_s is not None else float("inf")
 
         def call(piece: tuple[Slice, ...]) -> str:
             nonlocal gone
-            failure = self._post(write, piece)
+            failure = self._post(write, piece, give_up)
             if not failure:
                 return ""
             cause = _peer_gone(write.peer)
@@ -280,17 +293,26 @@ class MooncakeTransport(DataTransport):
             cause = cause or "peer unreachable or rejected it"
             return f"mooncake write to {write.peer.session} failed ({failure}): {cause}"
 
-        self._sweep_stranded()
-        reason = write.bound.move(write.slices, call, _MAX_TASKS_PER_CALL)
-        if reason == LEASE_EXPIRED:  # nothing was posted; if the peer is gone too, that is what its room should say
+        if self._watcher is None:  # else the watcher frees them
+            self._stranded.sweep(self._engine.transfer_check_status)
+        moving = self._stranded.moving(write.endpoints)
+        if moving:
+            reason = (
+                f"mooncake write to {write.peer.session} refused: {moving} slices of writes to it that gave up are "
+                "still moving, and its connections are cut until they end"
+            )
+        else:
+            reason = write.bound.move(write.slices, call, _MAX_TASKS_PER_CALL)
+        if reason == LEASE_EXPIRED or moving:  # nothing was posted: if the peer is gone, that is what to say
             gone = bool(_peer_gone(write.peer))
         if reason:
             log.warning("transfer %d: %s", write.transfer_id, reason)
         return Completion(write.transfer_id, not reason, reason, write.ops, peer_gone=gone)
 
-    def _post(self, write: _Write, piece: tuple[Slice, ...]) -> str:
-        """Post each slice of `piece` as a one-task batch and wait for all of them: "" once every one has landed,
-        else what went wrong (the slices posted before a refusal are waited for too)."""
+    def _post(self, write: _Write, piece: tuple[Slice, ...], give_up: float) -> str:
+        """Post each slice of `piece` as a one-task batch and wait for all of them, until `write_timeout_s` or the
+        write's `give_up` (`time.monotonic()`): "" once every one has landed, else what went wrong (the slices
+        posted before a refusal are waited for too)."""
         batches: list[int] = []
         refused = 0
         for s_off, d_off, length in piece:
@@ -301,15 +323,16 @@ class MooncakeTransport(DataTransport):
                 refused = len(piece) - len(batches)
                 break
             batches.append(batch)
-        failure = self._wait(batches)
+        deadline = min(time.monotonic() + self.config.write_timeout_s, give_up)
+        failure = self._wait(write, batches, deadline)
         if refused:
             return f"{refused} of {len(piece)} slices refused" + (f", {failure}" if failure else "")
         return failure
 
-    def _wait(self, batches: list[int]) -> str:
-        """Poll `batches` (one task each) every `_POLL_S` until each has ended or the write timeout has passed;
-        "" when all landed, else how many failed or are still moving (those are kept in `_stranded`)."""
-        deadline = time.monotonic() + self.config.write_timeout_s
+    def _wait(self, write: _Write, batches: list[int], deadline: float) -> str:
+        """Poll `batches` (one task each) every `_POLL_S` until each has ended or `deadline` has passed; "" when all
+        landed, else how many failed or are still moving (those are kept in `_stranded`)."""
+        started = time.monotonic()
         failed = 0
         while batches:
             pending = []
@@ -321,44 +344,93 @@ class MooncakeTransport(DataTransport):
                     pending.append(batch)
             batches = pending
             if batches and time.monotonic() > deadline:
-                self._strand(batches)
-                return f"{len(batches)} slices still moving after {self.config.write_timeout_s:.0f} s"
+                self._stranded.add(write.endpoints, batches)
+                self._nudge.set()
+                return f"{len(batches)} slices still moving after {time.monotonic() - started:.1f} s"
             if batches:
                 time.sleep(_POLL_S)
         return f"{failed} slices failed" if failed else ""
-
-    def _strand(self, batches: list[int]) -> None:
-        """Keep batches still moving after their write gave up waiting, to free them once they end: Mooncake frees
-        a batch only when asked after its end (freeing a running one is unsafe). At most `_MAX_STRANDED` are kept;
-        beyond that the oldest are left to Mooncake, which keeps their memory (logged)."""
-        with self._stranded_lock:
-            self._stranded.extend(batches)
-            excess = len(self._stranded) - _MAX_STRANDED
-            if excess > 0:
-                del self._stranded[:excess]
-                log.error("mooncake: %d batches that never ended are no longer looked at (their memory leaks)", excess)
-
-    def _sweep_stranded(self) -> None:
-        """Free the stranded batches that have ended since the last look."""
-        with self._stranded_lock:
-            if self._stranded:
-                self._stranded = [b for b in self._stranded if self._engine.transfer_check_status(b) not in _ENDED]
 
     def _progress(self) -> list[Completion]:
         return self._writer.drain()
 
     def _close(self) -> None:
         self._writer.stop()
-        self._sweep_stranded()
-        if self._stranded:
-            log.warning("mooncake: %d batches had not ended at close", len(self._stranded))
         self._stopping.set()
+        self._nudge.set()
         if self._watcher is not None:
             self._watcher.join()
+        self._stranded.sweep(self._engine.transfer_check_status)
+        if self._stranded:
+            log.warning("mooncake: %d batches had not ended at close", len(self._stranded))
         for region in list(self._regions.values()):
             self._unregister(region)
         self._peers.clear()
+        self._endpoints.clear()
         self._engine = None
+
+
+class _Stranded:
+    """Batches still moving after their write stopped waiting, each with its peer's data endpoints. Mooncake frees
+    a batch only when asked after its end (freeing a running one is unsafe), so they are kept until then; while a
+    peer has any, its connections are cut (`MooncakeTransport._bound_connections`) and new writes to it refused. At
+    most `_MAX_STRANDED` are kept; beyond that the oldest are left to Mooncake, which keeps their memory, and their
+    peer is no longer cut off for them (logged)."""
+
+    def __init__(self) -> None:
+        self._batches: dict[int, frozenset[Endpoint]] = {}  # batch -> its peer's endpoints, oldest first
+        self._since = 0.0  # when the oldest batch kept now was added
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._batches)
+
+    def add(self, endpoints: frozenset[Endpoint], batches: Sequence[int]) -> None:
+        with self._lock:
+            if not self._batches:
+                self._since = time.monotonic()
+            self._batches.update(dict.fromkeys(batches, endpoints))
+            excess = len(self._batches) - _MAX_STRANDED
+            for batch in list(self._batches)[: max(excess, 0)]:
+                del self._batches[batch]
+        if excess > 0:
+            log.error("mooncake: %d batches that never ended are no longer looked at (their memory leaks)", excess)
+
+    def moving(self, endpoints: frozenset[Endpoint]) -> int:
+        """How many kept batches write to a peer at `endpoints`."""
+        with self._lock:
+            return sum(1 for held in self._batches.values() if held & endpoints) if endpoints else 0
+
+    def sweep(self, status: Callable[[int], int]) -> set[Endpoint]:
+        """Forget (and so free) the batches that have ended, by `status` (`transfer_check_status`); the endpoints
+        of the peers of those still moving."""
+        with self._lock:
+            if not self._batches:
+                return set()
+            self._batches = {batch: held for batch, held in self._batches.items() if status(batch) not in _ENDED}
+            if not self._batches:
+                log.info("mooncake: every slice of writes that gave up has ended, %.2f s after the first of them gave "
+                         "up", time.monotonic() - self._since)  # fmt: skip
+            return set().union(*self._batches.values())
+
+
+def _data_endpoints(ref: _MooncakeRef) -> frozenset[Endpoint]:
+    """The data port of `ref`'s engine at each address its host name resolves to (empty, with a warning, where
+    that is not known: its writes are then bounded by the kernel's retransmissions only)."""
+    host = ref.session.rpartition(":")[0].strip("[]")
+    if not ref.data_port:
+        log.warning("mooncake peer %s did not say its data port: writes to it are not bounded", ref.session)
+        return frozenset()
+    try:
+        infos = socket.getaddrinfo(host, ref.data_port, type=socket.SOCK_STREAM)
+    except OSError as err:
+        log.warning("cannot resolve mooncake peer %s (%s): writes to it are not bounded", ref.session, err)
+        return frozenset()
+    return frozenset(endpoint(str(info[4][0]), ref.data_port) for info in infos)
+
+
+def _names(endpoints: set[Endpoint]) -> str:
+    return ", ".join(f"{address}:{port}" for address, port in sorted(endpoints))
 
 
 def _data_port(before: set[int], rpc_port: int) -> int:
