@@ -86,21 +86,28 @@ class TcpSocket:
 
 def tcp_table() -> dict[int, TcpSocket]:
     """This network namespace's TCP sockets that have an inode: inode -> peer and state. Raises OSError where
-    procfs cannot be read (a kernel without IPv6 has no tcp6 table, which is skipped)."""
+    procfs cannot be read or reads unlike Linux's (a kernel without IPv6 has no tcp6 table, which is skipped)."""
     table: dict[int, TcpSocket] = {}
     for path in _TCP_TABLES:
         try:
             with open(path) as rows:
                 next(rows)  # the header
                 for row in rows:
-                    fields = row.split()
-                    inode = int(fields[9])
-                    if inode:  # 0: a socket no process holds (TIME_WAIT)
-                        table[inode] = TcpSocket(_proc_endpoint(fields[2]), int(fields[3], 16))
+                    _add_row(table, row, path)
         except FileNotFoundError:
             if path == _TCP_TABLES[0]:
                 raise
     return table
+
+
+def _add_row(table: dict[int, TcpSocket], row: str, path: str) -> None:
+    fields = row.split()
+    try:
+        inode = int(fields[9])
+        if inode:  # 0: a socket no process holds (TIME_WAIT)
+            table[inode] = TcpSocket(_proc_endpoint(fields[2]), int(fields[3], 16))
+    except (IndexError, ValueError) as err:
+        raise OSError(f"unexpected line in {path}: {row.strip()!r}") from err
 
 
 def _proc_endpoint(text: str) -> Endpoint:
