@@ -303,7 +303,7 @@ class MooncakeTransport(DataTransport):
             )
         else:
             reason = write.bound.move(write.slices, call, _MAX_TASKS_PER_CALL)
-        if reason == LEASE_EXPIRED or moving:  # nothing was posted: if the peer is gone, that is what to say
+        if reason == LEASE_EXPIRED:  # nothing was posted; if the peer is gone too, that is what its room should say
             gone = bool(_peer_gone(write.peer))
         if reason:
             log.warning("transfer %d: %s", write.transfer_id, reason)
