@@ -16,10 +16,6 @@ rest of the session, so that the servers stop once its tests are done (`pytest_c
 
 from __future__ import annotations
 
-import os
-import shutil
-import subprocess
-import sys
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -30,7 +26,15 @@ import httpx
 import pytest
 
 from kvstage.e2e.model import MODELS, TinyModelSpec, build_tiny_model
-from kvstage.e2e.servers import ManagedProcess, VLLMServerSpec, free_port, start_bootstrap, start_router, start_vllm
+from kvstage.e2e.servers import (
+    ManagedProcess,
+    VLLMServerSpec,
+    free_port,
+    start_bootstrap,
+    start_router,
+    start_vllm,
+    vllm_stacks,
+)
 
 #: Rooms of the test servers end within this many seconds. A rank silent for DEAD_AFTER_S is dead, sooner than
 #: the room deadline: a killed prefill is fenced, and the ring space its rooms held is released, before they time out.
@@ -67,34 +71,16 @@ MLA_PAIR = {"MP2": ("prefill", 2), "MD1": ("decode", 1)}
 START_TIMEOUT_S = 600.0
 
 
-#: py-spy's answer per process is cut to this many characters in a failed test's report.
-STACKS_CHARS = 6000
-
-
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[pytest.TestReport]:
     """A failed end-to-end test reports where each vLLM process of the machine stands (py-spy's Python stacks of
     every process named VLLM::..., its engine core and workers): an engine that hangs is then diagnosable from the
-    test's output alone, after its servers are gone."""
+    test's output alone, after its servers are gone. (A cluster fixture that fails stops its servers before this
+    runs, so those say it themselves: test_hosts.py's warm-up.)"""
     report = yield
     if report.when == "call" and report.failed:
-        report.sections.append(("vLLM stacks at the failure", _vllm_stacks()))
+        report.sections.append(("vLLM stacks at the failure", vllm_stacks()))
     return report
-
-
-def _vllm_stacks() -> str:
-    spy = shutil.which("py-spy", path=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}")
-    if spy is None:
-        return "py-spy is not installed"
-    found = subprocess.run(["pgrep", "^VLLM::"], capture_output=True, text=True, check=False).stdout.split()
-    dumps = []
-    for pid in found:
-        try:
-            out = subprocess.run([spy, "dump", "--pid", pid], capture_output=True, text=True, timeout=30, check=False)
-            dumps.append((out.stdout + out.stderr)[:STACKS_CHARS])
-        except subprocess.TimeoutExpired:
-            dumps.append(f"py-spy gave no answer for process {pid} within 30 s")
-    return "\n".join(dumps) or "no VLLM:: process runs"
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

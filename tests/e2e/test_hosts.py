@@ -61,6 +61,7 @@ from kvstage.e2e.servers import (
     start_bootstrap,
     start_router,
     start_vllm,
+    vllm_stacks,
 )
 from kvstage.e2e.verify import check_rooms, decode_rooms, prefill_rooms, read_counters
 
@@ -168,8 +169,7 @@ def hosts(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
         deadline = time.monotonic() + START_TIMEOUT_S
         for proc in procs.values():
             proc.wait_ready(max(deadline - time.monotonic(), 1.0))
-        with ThreadPoolExecutor(len(specs)) as pool:  # each server's first forward, before any room (WARM_UP)
-            list(pool.map(lambda s: complete(s.url, WARM_UP_PROMPT), specs.values()))
+        warm_up(specs)
         routers = {}
         for prefill, decode in PAIRS:
             log = logs / f"router-{prefill}-{decode}.log"
@@ -181,6 +181,20 @@ def hosts(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
             routable(router.url)
             routers[(prefill, decode)] = router.url
         yield Hosts(backend, net, specs, procs, routers, reports, logs, spec)
+
+
+def warm_up(specs: dict[str, VLLMServerSpec]) -> None:
+    """Each server's first forward, before any room (WARM_UP_PROMPT). One that does not answer leaves the stacks of
+    every vLLM process in the error: the cluster's servers are stopped before a failed test's report is made. A
+    TP=2 engine (P2 and D2 at once) was seen hung here in its first forward for 240 s, before any room, with
+    vLLM's engine core repeating "No available shared memory broadcast block" (1 of 17 cluster starts on
+    2026-12-03)."""
+    with ThreadPoolExecutor(len(specs)) as pool:
+        try:
+            list(pool.map(lambda s: complete(s.url, WARM_UP_PROMPT), specs.values()))
+        except httpx.HTTPError as err:
+            err.add_note(f"vLLM stacks when the warm-up failed:\n{vllm_stacks()}")
+            raise
 
 
 def routable(url: str, timeout_s: float = 60.0) -> None:

@@ -4,8 +4,9 @@ Owns `Placement` (where a process runs: the address it binds, the command prefix
 deployment's secret), `VLLMServerSpec` (one vLLM OpenAI server: its role, instance name, TP size, port, placement
 and kvstage settings), `ManagedProcess` (a child process in its own process group, with its log file, readiness
 probe, graceful stop and kill -9 of the whole group), and the functions that start each kind: vLLM,
-`kvstage bootstrap` and `kvstage router`, each in a process of its own as a deployment runs them.
-Nothing here knows about requests.
+`kvstage bootstrap` and `kvstage router`, each in a process of its own as a deployment runs them; and
+`vllm_stacks`, where every vLLM process of the machine stands (for a run that fails or hangs). Nothing here knows
+about requests.
 
 Invariants: every process started here is in its own session, so stopping or killing it takes its workers with
 it; a process that exits before it is ready raises at once with the tail of its log; `stop` always reaps.
@@ -17,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -33,6 +35,8 @@ from kvstage.transport.bootstrap import BootstrapClient
 
 #: Tokens a request may span (prompt + completion) on the tiny model's servers.
 MAX_MODEL_LEN = 2048
+#: py-spy's answer per process is cut to this many characters by `vllm_stacks`.
+STACKS_CHARS = 6000
 
 
 class ProcessFailed(KVStageError):
@@ -308,3 +312,20 @@ def start_router(
         argv += [f"--{spec.role}", f"{spec.instance}={spec.url}"]
     argv += extra_args
     return ManagedProcess("router", placement.argv(argv), log_path, url, http_ready(url), placement.env()).start()
+
+
+def vllm_stacks() -> str:
+    """py-spy's Python stacks of every process of this machine named VLLM::... (engine cores and workers), each cut
+    to `STACKS_CHARS`: where a hung engine stands, readable after its servers are gone."""
+    spy = shutil.which("py-spy", path=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}")
+    if spy is None:
+        return "py-spy is not installed"
+    found = subprocess.run(["pgrep", "^VLLM::"], capture_output=True, text=True, check=False).stdout.split()
+    dumps = []
+    for pid in found:
+        try:
+            out = subprocess.run([spy, "dump", "--pid", pid], capture_output=True, text=True, timeout=30, check=False)
+            dumps.append((out.stdout + out.stderr)[:STACKS_CHARS])
+        except subprocess.TimeoutExpired:
+            dumps.append(f"py-spy gave no answer for process {pid} within 30 s")
+    return "\n".join(dumps) or "no VLLM:: process runs"
