@@ -149,10 +149,17 @@ def _borrow(fd: int, inode: int) -> socket.socket | None:
     return sock
 
 
-def tcp_sockets(fds: dict[int, int] | None = None) -> Iterator[tuple[int, socket.socket]]:
-    """(inode, borrowed duplicate) for each internet TCP socket among `fds` (inode -> descriptor; default: all of
-    this process's); each duplicate is closed after its turn."""
-    for inode, fd in (_socket_fds() if fds is None else fds).items():
+def _connections() -> list[tuple[int, int, TcpSocket | None]]:
+    """(inode, descriptor, its row of the TCP table) for each socket descriptor of this process; the row is None
+    for a socket that is not TCP, or not connecting yet."""
+    table = tcp_table()
+    return [(inode, fd, table.get(inode)) for inode, fd in _socket_fds().items()]
+
+
+def tcp_sockets() -> Iterator[tuple[int, socket.socket]]:
+    """(inode, borrowed duplicate) for each internet TCP socket of this process; each duplicate is closed after
+    its turn."""
+    for inode, fd in _socket_fds().items():
         sock = _borrow(fd, inode)
         if sock is not None:
             with sock:
@@ -172,7 +179,7 @@ def listening_ports() -> set[int]:
         return set()
 
 
-def disconnect(sock: socket.socket) -> None:
+def _disconnect(sock: socket.socket) -> None:
     """Abort `sock`'s connection (made or being made): unsent and unacknowledged data are dropped, the peer gets a
     reset, and whoever waits on the socket gets an error. OSError if the kernel refuses."""
     if _LIBC.connect(sock.fileno(), _UNSPEC, len(_UNSPEC)) != 0:
@@ -203,12 +210,10 @@ class ConnectionGuard:
         with self._lock:
             if not self._endpoints:
                 return 0
-            fds = _socket_fds()
-            self._settled &= fds.keys()
-            table = tcp_table()
+            connections = _connections()
+            self._settled &= {inode for inode, _, _ in connections}
             bounded = 0
-            for inode, fd in fds.items():
-                row = table.get(inode)
+            for inode, fd, row in connections:
                 if inode in self._settled or row is None or row.state == CLOSE:  # not TCP, or not connecting yet
                     continue
                 if row.peer in self._endpoints and row.state not in _NOT_SENDING:
@@ -230,11 +235,8 @@ class ConnectionGuard:
         cannot be read."""
         if not endpoints:
             return 0
-        fds = _socket_fds()
-        table = tcp_table()
         severed = 0
-        for inode, fd in fds.items():
-            row = table.get(inode)
+        for inode, fd, row in _connections():
             if row is None or row.peer not in endpoints or row.state in _NOT_SENDING:
                 continue
             sock = _borrow(fd, inode)
@@ -242,7 +244,7 @@ class ConnectionGuard:
                 continue
             with sock:
                 try:
-                    disconnect(sock)
+                    _disconnect(sock)
                 except OSError as err:
                     log.warning("cannot abort this process's connection to %s:%d: %s", *row.peer, err)
                     continue
