@@ -163,9 +163,17 @@ def test_a_live_decode_peer_whose_nixl_writes_fail_as_disconnected_is_imported_a
 
     ok, _ = cluster.hand_off(2)  # its writes fail at once (NIXL_ERR_REMOTE_DISCONNECT): decode still answers
     assert not ok, "a room was handed off over failed UCX endpoints: the connections were not cut"
+    # A rank meets its failed endpoint at its first write after the cut. Decode may abort room 2 on the first
+    # rank's failure before the other rank writes, which then fails (and reconnects) in the next room instead.
+    room = 3
+    while 0.0 in [reconnects(agent) for agent in cluster.prefill]:
+        assert room < 3 + PREFILL_TP, "a rank never met its failed endpoint, or did not reconnect when it did"
+        time.sleep(IMPORT_RETRY_S)
+        assert not cluster.hand_off(room)[0], "a room was handed off over a rank's failed UCX endpoint"
+        room += 1
 
     time.sleep(IMPORT_RETRY_S)  # the next write imports the peer again, which connects anew
-    assert cluster.hand_off(3) == (True, True), "the decode peer was not written to again after the disconnect"
-    assert cluster.hand_off(4) == (True, True)
+    assert cluster.hand_off(room) == (True, True), "the decode peer was not written to again after the disconnect"
+    assert cluster.hand_off(room + 1) == (True, True)
     # one reconnect per prefill rank: the room's other failed writes and the healthy rooms after make none
     assert [reconnects(agent) for agent in cluster.prefill] == [1.0] * PREFILL_TP
