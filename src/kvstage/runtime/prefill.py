@@ -474,10 +474,10 @@ class PrefillAgent(BaseAgent):
         queued = self._queued.get(peer)
         while queued:
             write = queued[0][0]
-            why = self._unpostable(write)  # epochs only grow, so a passed epoch's writes are ahead of the others
-            if why:  # (and a fence of the peer empties its queue at once, `_peer_fenced`)
+            why, peer_gone = self._unpostable(write)  # epochs only grow: a passed epoch's writes are ahead of the
+            if why:  # others (and a fence of the peer empties its queue at once, `_peer_fenced`)
                 queued.popleft()
-                self._end_unposted(write, why)
+                self._end_unposted(write, why, peer_gone)
                 continue
             if self._in_flight_to(peer) >= self.config.writes_per_peer:
                 return
@@ -486,15 +486,19 @@ class PrefillAgent(BaseAgent):
             self._submit(*queued.popleft())
         self._queued.pop(peer, None)
 
-    def _unpostable(self, write: _Write) -> str:
+    def _unpostable(self, write: _Write) -> tuple[str, bool]:
         """Why no renewed lease may ever carry `write` (its epoch towards its peer has passed, or its target memory
-        is no longer the peer's), or "" while it may still be posted."""
+        is no longer the peer's), or "" while it may still be posted; and whether that is because the peer cannot
+        be reached. A write that reaches the queue after its peer's imports were dropped to reconnect (it was
+        being gathered then) fails as the queued ones did (`_drop_when_idle`): as for a killed peer, "peer dead"."""
         peer = write.action.peer
         if write.action.writer_epoch != self.endpoint.epoch_towards(peer):
-            return f"{FENCED_BY_DECODE} ({peer})"
-        if not self._still_target(write):
-            return f"{FENCED_PEER} ({peer})"
-        return ""
+            return f"{FENCED_BY_DECODE} ({peer})", False
+        if self._still_target(write):
+            return "", False
+        if self.imports.dropped(peer):
+            return f"{RECONNECTING} ({peer})", True
+        return f"{FENCED_PEER} ({peer})", False
 
     def _poll_transport(self) -> None:
         for done in self.transport.poll():
