@@ -7,7 +7,6 @@ UCX_TCP_USER_TIMEOUT does."""
 from __future__ import annotations
 
 import errno
-import os
 import socket
 import time
 
@@ -22,6 +21,7 @@ from kvstage.runtime import AgentConfig, DecodeAgent, PrefillAgent, peer_id
 from kvstage.runtime.imports import IMPORT_RETRY_S
 from kvstage.transport.bootstrap import BootstrapServer
 from kvstage.transport.data import TransportConfig
+from kvstage.transport.data.tcp_guard import ESTABLISHED, tcp_sockets, tcp_table
 
 pytest.importorskip("nixl_cu12")
 
@@ -40,45 +40,16 @@ def _port(address: str) -> int:
     return int(address.rsplit(":", 1)[1])
 
 
-def _established_tcp() -> dict[int, tuple[int, int]]:
-    """This network namespace's established TCP connections: socket inode -> (local port, remote port)."""
-    found = {}
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with open(table) as rows:
-            next(rows)
-            for row in rows:
-                fields = row.split()
-                if fields[3] == "01":  # TCP_ESTABLISHED
-                    ports = (int(fields[1].rsplit(":", 1)[1], 16), int(fields[2].rsplit(":", 1)[1], 16))
-                    found[int(fields[9])] = ports
-    return found
-
-
 def shut_down_tcp_except(kept_ports: set[int]) -> int:
     """Shut down (both ways) every established TCP connection of this process that touches none of `kept_ports`;
-    returns how many. UCX closes its side of a connection once the other is shut down, so each descriptor is
-    duplicated first (and checked to still be the socket listed) before any is shut down."""
-    connections = _established_tcp()
+    returns how many. UCX closes its side of a connection once the other is shut down, so every descriptor is
+    duplicated first, before any is shut down."""
+    table = tcp_table()
     held = []
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except FileNotFoundError:  # closed meanwhile (the listing's own descriptor, say)
-            continue
-        inode = int(target[8:-1]) if target.startswith("socket:[") else -1
-        ports = connections.get(inode)
-        if ports is None or kept_ports & set(ports):
-            continue
-        try:
-            copy = os.dup(int(fd))
-        except OSError as err:
-            if err.errno != errno.EBADF:
-                raise
-            continue  # closed since it was listed
-        if os.fstat(copy).st_ino == inode:
-            held.append(socket.socket(fileno=copy))
-        else:
-            os.close(copy)
+    for inode, sock in tcp_sockets():
+        row = table.get(inode)
+        if row is not None and row.state == ESTABLISHED and not kept_ports & {sock.getsockname()[1], row.peer[1]}:
+            held.append(sock.dup())
     for sock in held:
         with sock:
             try:

@@ -51,3 +51,17 @@ def test_a_late_write_anywhere_in_free_space_is_found_by_an_allocation_elsewhere
     canary.allocate(64)
     assert found == [1]
     assert canary.check() == 0
+
+
+def test_a_late_write_is_reported_with_its_bytes_and_the_freed_allocation_that_held_them(caplog) -> None:
+    canary, memory, found = ring()
+    first, second = canary.allocate(1024), canary.allocate(1024)
+    canary.free(first)
+    canary.free(second)
+    memory[second.offset + 100 : second.offset + 164] = 1  # a late write of `second`'s room
+    canary.check()
+    assert found == [64]
+    (report,) = [r.getMessage() for r in caplog.records if r.name == "kvstage.runtime.canary"]
+    assert f"within [{second.offset + 100}, {second.offset + 164})" in report
+    assert f"held last by epoch {second.epoch} [{second.offset}, {second.end}) freed" in report
+    assert f"epoch {first.epoch} " not in report

@@ -6,7 +6,9 @@ filled; a freed allocation's bytes are filled again at once (its scatter has fin
 after that); and before the ring hands out an allocation (every chunk of every room takes one), the bytes no
 live allocation covers are compared with the canary. A byte that differs was written while no room held it, that
 is after its room released the space (a late write) or before it was granted: it is logged with its range, counted
-through `on_violation`, and the canary is restored there so that one late write is counted once.
+through `on_violation`, and the canary is restored there so that one late write is counted once. The report names
+the dirty bytes and, from the last `FREED_KEPT` frees, the allocations (ring epoch) that held them and how long
+before the check each was freed: a late write's room and writer follow from its chunk's grant (its region's epoch).
 
 Invariants: a legitimate write only ever targets a live allocation, so the check has no false alarm. It compares
 the free bytes at every allocation on the agent thread: host memory eight bytes at a time through numpy (about
@@ -18,6 +20,8 @@ silence the agent past a short `dead_after_s`), device memory on its GPU. Keep t
 from __future__ import annotations
 
 import logging
+import time
+from collections import deque
 from collections.abc import Callable, Iterator
 
 import numpy as np
@@ -29,6 +33,8 @@ log = logging.getLogger(__name__)
 
 #: The byte that fills released ring space.
 CANARY = 0xA5
+#: How many of the latest frees the ring remembers, to name what held the bytes a late write hit.
+FREED_KEPT = 256
 #: Eight of them, to compare host memory eight bytes at a time.
 _CANARY_WORD = np.uint64(int.from_bytes(bytes([CANARY]) * 8, "little"))
 
@@ -45,6 +51,7 @@ class CanaryRing(StagingRing):
             raise ValueError(f"the canary ring needs {capacity_bytes} bytes of uint8 memory, got {memory.numel()}")
         self._memory = memory
         self._on_violation = on_violation
+        self._freed: deque[tuple[Allocation, float]] = deque(maxlen=FREED_KEPT)  # with `time.monotonic()`
         _fill(self._memory)
 
     def allocate(self, nbytes: int) -> Allocation:
@@ -55,6 +62,7 @@ class CanaryRing(StagingRing):
         freed = super().free(allocation)
         if freed:
             _fill(self._memory[allocation.offset : allocation.end])
+            self._freed.append((allocation, time.monotonic()))
         return freed
 
     def check(self) -> int:
@@ -64,19 +72,34 @@ class CanaryRing(StagingRing):
             run = self._memory[start:end]
             if _intact(run):
                 continue
-            wrong = int((run != CANARY).sum())
+            dirty_at = (run != CANARY).nonzero()
+            wrong = len(dirty_at)
             if wrong:
+                first, last = start + int(dirty_at[0]), start + int(dirty_at[-1]) + 1
                 log.error(
                     "ring canary: %d of the free bytes [%d, %d) were written while no room held them (a write "
-                    "landed after its room released the space)",
+                    "landed after its room released the space), within [%d, %d); %s",
                     wrong,
                     start,
                     end,
+                    first,
+                    last,
+                    self._held(first, last),
                 )
                 self._on_violation(wrong)
                 _fill(run)
                 dirty += wrong
         return dirty
+
+    def _held(self, start: int, end: int) -> str:
+        """Which of the latest freed allocations covered bytes of `[start, end)`, newest first."""
+        now = time.monotonic()
+        held = [
+            f"epoch {a.epoch} [{a.offset}, {a.end}) freed {now - at:.1f} s ago"
+            for a, at in reversed(self._freed)
+            if a.offset < end and start < a.end
+        ]
+        return "held last by " + ", ".join(held) if held else f"none of the last {FREED_KEPT} frees held them"
 
     def _free_runs(self) -> Iterator[tuple[int, int]]:
         """The byte ranges no live allocation covers, in order."""

@@ -231,6 +231,20 @@ Slice = tuple[int, int, int]
 
 
 @dataclass(frozen=True, slots=True)
+class PostBy:
+    """The moment (`time.monotonic()`; None: none) after which one piece of a bounded write may no longer start,
+    and why it stops then: `LEASE_EXPIRED` for a write's first piece (nothing moved), `WRITE_CUT` for a later one.
+    `WriteBound.move` checks it before each piece; a backend whose post can wait inside the library checks it again
+    right before the call that starts the bytes (nixl)."""
+
+    at: float | None
+    reason: str
+
+    def passed(self, now: float) -> bool:
+        return self.at is not None and now >= self.at
+
+
+@dataclass(frozen=True, slots=True)
 class WriteBound:
     """When one write may move bytes: it starts only before `not_after` (`time.monotonic()`; None: any time), and
     once started no piece of it starts half of `max_write_s` or more later (None: it is never cut), so that the last
@@ -261,17 +275,20 @@ class WriteBound:
         if piece:
             yield tuple(piece)
 
-    def move(self, slices: Sequence[Slice], move_piece: Callable[[tuple[Slice, ...]], str], max_slices: int = 0) -> str:
-        """Move `slices` piece by piece with `move_piece` (which returns "" or why it failed), on the thread that moves
-        the bytes: `LEASE_EXPIRED` before the first piece if `not_after` has passed, `WRITE_CUT` before a later piece
-        once half of `max_write_s` has; otherwise the first failure, or "" when every piece moved."""
+    def move(
+        self, slices: Sequence[Slice], move_piece: Callable[[tuple[Slice, ...], PostBy], str], max_slices: int = 0
+    ) -> str:
+        """Move `slices` piece by piece with `move_piece(piece, post_by)` (which returns "" or why it failed), on the
+        thread that moves the bytes: `LEASE_EXPIRED` before the first piece if `not_after` has passed, `WRITE_CUT`
+        before a later piece once half of `max_write_s` has; otherwise the first failure, or "" when every piece
+        moved."""
         started = time.monotonic()
-        if self.expired(started):
-            return LEASE_EXPIRED
+        cut_at = None if self.max_write_s is None else started + self.max_write_s / 2
         for index, piece in enumerate(self.pieces(slices, max_slices)):
-            if index and self.max_write_s is not None and time.monotonic() - started >= self.max_write_s / 2:
-                return WRITE_CUT
-            reason = move_piece(piece)
+            post_by = PostBy(cut_at, WRITE_CUT) if index else PostBy(self.not_after, LEASE_EXPIRED)
+            if post_by.passed(time.monotonic()):
+                return post_by.reason
+            reason = move_piece(piece, post_by)
             if reason:
                 return reason
         return ""

@@ -54,6 +54,7 @@ from kvstage.transport.data.base import (
     Completion,
     DataTransport,
     LocalRegion,
+    PostBy,
     RegionDescriptor,
     RemoteRegion,
     Slice,
@@ -383,7 +384,7 @@ class CudaIpcTransport(DataTransport):
             deadline = self._clock(device).deadline_ns(time.monotonic() + bound.max_write_s)
             skipped_host = torch.zeros(1, dtype=torch.int32, pin_memory=True)
 
-        def queue_piece(piece: tuple[Slice, ...]) -> str:
+        def queue_piece(piece: tuple[Slice, ...], _: PostBy) -> str:
             for s_off, d_off, length in piece:
                 src, dst = source[s_off : s_off + length], target[d_off : d_off + length]
                 if skipped is None:

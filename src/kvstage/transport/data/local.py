@@ -203,7 +203,7 @@ def _run_job(job: _Job) -> Completion:
     reason = _peer_gone(job.dst)
     if reason:
         return Completion(job.transfer_id, False, reason, len(job.slices), peer_gone=True)
-    reason = job.bound.move(job.slices, lambda piece: _copy(job, piece))
+    reason = job.bound.move(job.slices, lambda piece, _: _copy(job, piece))
     if reason and isinstance(job.dst, ProcessMemory) and job.dst.gone():
         return Completion(job.transfer_id, False, job.dst.gone(), len(job.slices), peer_gone=True)
     return Completion(job.transfer_id, not reason, reason, len(job.slices))

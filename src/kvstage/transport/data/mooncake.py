@@ -69,6 +69,7 @@ from kvstage.transport.data.base import (
     Completion,
     DataTransport,
     LocalRegion,
+    PostBy,
     RegionDescriptor,
     RemoteRegion,
     Slice,
@@ -283,7 +284,7 @@ class MooncakeTransport(DataTransport):
         max_write_s = write.bound.max_write_s
         give_up = time.monotonic() + max_write_s * _GIVE_UP_SHARE if max_write_s is not None else float("inf")
 
-        def call(piece: tuple[Slice, ...]) -> str:
+        def call(piece: tuple[Slice, ...], _: PostBy) -> str:
             nonlocal gone
             failure = self._post(write, piece, give_up)
             if not failure:

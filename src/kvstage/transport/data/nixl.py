@@ -60,7 +60,11 @@ transport of a process sets UCX's own bounds on a posted request from the other 
 (`UCX_MODULES=^ib`, where UCX would warn that they are unused), `UCX_RC_TIMEOUT` / `UCX_RC_RETRY_COUNT` (an RC or
 DC queue pair that gets no acknowledgement fails), see `_ucx_timeouts`. Releasing a NIXL request does not
 stop it (UCX's `ucp_request_cancel` cancels tag receives only), so those UCX timeouts are what bounds a posted
-write (docs/transports.md).
+write (docs/transports.md). The deadline is checked once more right before `transfer()`, under a `PostGate` that
+NIXL's metadata calls (loading or removing a peer, registering memory) hold alone: in RW mode NIXL makes data-path
+calls wait for those, and loading a peer that drops its SYNs held a post 133 s (kvstage.transport.data.gate). A post
+that returns after its deadline (the copy of a same-host post counts; or this process was paused inside it) is
+logged.
 
 Disconnected peers. NIXL's UCX backend makes one endpoint per UCX worker to a peer when the peer's metadata is
 loaded (`add_remote_agent`), and never makes it again: an endpoint that UCX failed (the peer's process died, or
@@ -101,12 +105,14 @@ from kvstage.transport.data.base import (
     Completion,
     DataTransport,
     LocalRegion,
+    PostBy,
     RegionDescriptor,
     RemoteRegion,
     Slice,
     TransportConfig,
     WriteBound,
 )
+from kvstage.transport.data.gate import PostGate
 from kvstage.transport.data.workers import JobRunner
 
 log = logging.getLogger(__name__)
@@ -361,6 +367,7 @@ class NixlTransport(DataTransport):
         self._owner_refs: dict[str, int] = {}
         # loads and removals of remote agents, one at a time, and the two tables above (taken after `_lock`)
         self._meta_lock = threading.Lock()
+        self._gate = PostGate()  # posts share it; NIXL's metadata calls, which data-path calls wait for, hold it alone
         self._writer: JobRunner[_Write] = JobRunner(
             f"kvstage-nixl-{config.name}", self._run, max(_WORKERS, config.nixl_workers), notify=self._completed
         )
@@ -378,9 +385,10 @@ class NixlTransport(DataTransport):
         place = _Place.of(tensor)
         address, nbytes = int(tensor.data_ptr()), int(tensor.numel())
         try:
-            self._registrations[address] = self._agent.register_memory(
-                [(address, nbytes, place.device, "")], place.memory
-            )
+            with self._gate.exclusive():
+                self._registrations[address] = self._agent.register_memory(
+                    [(address, nbytes, place.device, "")], place.memory
+                )
         except self._errors as err:
             hint = _VRAM_HINT if place.memory == "VRAM" else ""
             raise TransportError(f"NIXL could not register {nbytes} bytes of {place.memory}: {err}{hint}") from err
@@ -390,7 +398,8 @@ class NixlTransport(DataTransport):
         if registration is None:
             return
         try:
-            self._agent.deregister_memory(registration)
+            with self._gate.exclusive():
+                self._agent.deregister_memory(registration)
         except self._errors as err:
             log.warning("NIXL could not deregister region %d: %s", region.region_id, err)
 
@@ -419,7 +428,8 @@ class NixlTransport(DataTransport):
                 raise TransportError("the transport was closed during the import")
             known = set(self._owner_refs)
             try:
-                loaded = self._agent.add_remote_agent(ref.metadata)  # NIXL undoes a load it fails itself
+                with self._gate.exclusive():  # NIXL undoes a load it fails itself
+                    loaded = self._agent.add_remote_agent(ref.metadata)
             except self._errors as err:
                 raise TransportError(f"NIXL could not load the metadata of {descriptor.owner!r}: {err}") from err
             name = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
@@ -444,7 +454,8 @@ class NixlTransport(DataTransport):
     def _remove_agent(self, name: str) -> None:
         """Unload a remote agent (its endpoints close); the caller holds `_meta_lock`."""
         try:
-            self._agent.remove_remote_agent(name)
+            with self._gate.exclusive():
+                self._agent.remove_remote_agent(name)
         except self._errors as err:
             log.warning("NIXL could not remove remote agent %r: %s", name, err)
 
@@ -470,9 +481,9 @@ class NixlTransport(DataTransport):
         if write.after is not None:
             write.after.synchronize()
 
-        def post(piece: tuple[Slice, ...]) -> str:
+        def post(piece: tuple[Slice, ...], post_by: PostBy) -> str:
             nonlocal gone
-            reason, gone = self._post(write, piece)
+            reason, gone = self._post(write, piece, post_by)
             return reason
 
         reason = write.bound.move(write.slices, post)
@@ -480,16 +491,30 @@ class NixlTransport(DataTransport):
             log.warning("transfer %d: %s", write.transfer_id, reason)
         return Completion(write.transfer_id, not reason, reason, write.ops, peer_gone=gone)
 
-    def _post(self, write: _Write, piece: tuple[Slice, ...]) -> tuple[str, bool]:
-        """Post one piece, wait for NIXL to finish it (or the timeout), release its handle: why it failed (or "")
-        and whether NIXL said the peer is gone."""
+    def _post(self, write: _Write, piece: tuple[Slice, ...], post_by: PostBy) -> tuple[str, bool]:
+        """Post one piece unless `post_by` has passed by then, wait for NIXL to finish it (or the timeout), release
+        its handle: why it failed (or "") and whether NIXL said the peer is gone."""
         handle = None
         try:
-            local, remote = write.rows(piece)
-            local_descs = self._agent.get_xfer_descs(local, write.src_place.memory)
-            remote_descs = self._agent.get_xfer_descs(remote, write.dst_place.memory)
-            handle = self._agent.initialize_xfer("WRITE", local_descs, remote_descs, write.owner)
-            return self._wait(handle, self._agent.transfer(handle), write.owner), False
+            with self._gate.posting():
+                local, remote = write.rows(piece)
+                local_descs = self._agent.get_xfer_descs(local, write.src_place.memory)
+                remote_descs = self._agent.get_xfer_descs(remote, write.dst_place.memory)
+                handle = self._agent.initialize_xfer("WRITE", local_descs, remote_descs, write.owner)
+                if post_by.passed(time.monotonic()):
+                    return post_by.reason, False
+                state = self._agent.transfer(handle)
+                late = time.monotonic() - post_by.at if post_by.at is not None else 0.0
+            if late > 0:
+                log.warning(
+                    "transfer %d: posting a piece to %r returned %.3f s after the piece's deadline: if this process "
+                    "was paused inside the post (the GIL held elsewhere, a stop), its bytes may land after decode "
+                    "released their space",
+                    write.transfer_id,
+                    write.owner,
+                    late,
+                )
+            return self._wait(handle, state, write.owner), False
         except self._errors as err:
             return f"nixl write to {write.owner!r} failed: {type(err).__name__} {err}", isinstance(
                 err, self._disconnected
