@@ -232,10 +232,8 @@ Slice = tuple[int, int, int]
 
 @dataclass(frozen=True, slots=True)
 class PostBy:
-    """The moment (`time.monotonic()`; None: none) after which one piece of a bounded write may no longer start,
-    and why it stops then: `LEASE_EXPIRED` for a write's first piece (nothing moved), `WRITE_CUT` for a later one.
-    `WriteBound.move` checks it before each piece; a backend whose post can wait inside the library checks it again
-    right before the call that starts the bytes (nixl)."""
+    """When (`time.monotonic()`; None: never) one piece of a write may no longer start, and the reason then
+    (`LEASE_EXPIRED` or `WRITE_CUT`); checked by `WriteBound.move` and again right before the post (nixl)."""
 
     at: float | None
     reason: str
@@ -278,18 +276,15 @@ class WriteBound:
     def move(
         self, slices: Sequence[Slice], move_piece: Callable[[tuple[Slice, ...], PostBy], str], max_slices: int = 0
     ) -> str:
-        """Move `slices` piece by piece with `move_piece(piece, post_by)` (which returns "" or why it failed), on the
-        thread that moves the bytes: `LEASE_EXPIRED` before the first piece if `not_after` has passed, `WRITE_CUT`
-        before a later piece once half of `max_write_s` has; otherwise the first failure, or "" when every piece
-        moved."""
-        started = time.monotonic()
-        cut_at = None if self.max_write_s is None else started + self.max_write_s / 2
+        """Move `slices` piece by piece with `move_piece(piece, post_by)` ("" or why it failed), on the thread that
+        moves the bytes: `LEASE_EXPIRED` before the first piece if `not_after` has passed, `WRITE_CUT` before a
+        later one once half of `max_write_s` has; otherwise the first failure, or "" when every piece moved."""
+        cut_at = None if self.max_write_s is None else time.monotonic() + self.max_write_s / 2
         for index, piece in enumerate(self.pieces(slices, max_slices)):
             post_by = PostBy(cut_at, WRITE_CUT) if index else PostBy(self.not_after, LEASE_EXPIRED)
             if post_by.passed(time.monotonic()):
                 return post_by.reason
-            reason = move_piece(piece, post_by)
-            if reason:
+            if reason := move_piece(piece, post_by):
                 return reason
         return ""
 
