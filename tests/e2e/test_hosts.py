@@ -185,10 +185,9 @@ def hosts(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
 
 def warm_up(specs: dict[str, VLLMServerSpec]) -> None:
     """Each server's first forward, before any room (WARM_UP_PROMPT). One that does not answer leaves the stacks of
-    every vLLM process in the error: the cluster's servers are stopped before a failed test's report is made. A
-    TP=2 engine (P2 and D2 at once) was seen hung here in its first forward for 240 s, before any room, with
-    vLLM's engine core repeating "No available shared memory broadcast block" (1 of 17 cluster starts on
-    2026-12-03)."""
+    every vLLM process in the error: the cluster's servers are stopped before a failed test's report is made. Both
+    TP=2 engines (P2 and D2 at once) were seen hung here for 240 s, before any room, while their workers were bound
+    to a core each: a rank waited minutes to run on its core (docs/deploy.md; the servers are unbound now)."""
     with ThreadPoolExecutor(len(specs)) as pool:
         try:
             list(pool.map(lambda s: complete(s.url, WARM_UP_PROMPT), specs.values()))

@@ -5,8 +5,8 @@ deployment's secret), `VLLMServerSpec` (one vLLM OpenAI server: its role, instan
 and kvstage settings), `ManagedProcess` (a child process in its own process group, with its log file, readiness
 probe, graceful stop and kill -9 of the whole group), and the functions that start each kind: vLLM,
 `kvstage bootstrap` and `kvstage router`, each in a process of its own as a deployment runs them; and
-`vllm_stacks`, where every vLLM process of the machine stands (for a run that fails or hangs). Nothing here knows
-about requests.
+`vllm_stacks`, where every vLLM process of the machine stands and how long its main thread waited to run (for a
+run that fails or hangs). Nothing here knows about requests.
 
 Invariants: every process started here is in its own session, so stopping or killing it takes its workers with
 it; a process that exits before it is ready raises at once with the tail of its log; `stop` always reaps.
@@ -260,19 +260,22 @@ class VLLMServerSpec:
         )
 
     def env(self) -> dict[str, str]:
-        """vLLM on CPU: a small KV cache, and each TP rank bound to a core of its own (the box has two)."""
+        """vLLM on CPU: a small KV cache, one OpenMP thread per process, and no worker bound to a core
+        (`VLLM_CPU_OMP_THREADS_BIND=nobind`). Bound, each TP rank's threads could run on one core only, and on
+        the shared 2-core host a rank was seen waiting 107 s to run on its core (its schedstat run delay) while
+        other processes' threads ran there and its peer rank spun in vLLM's shared-memory all-reduce: the
+        engine hung (both TP=2 engines of a cluster at once, in 3 of 4 full runs of the suite on 2026-12-03).
+        Unbound, the kernel moves a waiting worker to the other core."""
         env = {
             "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib),
-            "VLLM_CPU_OMP_THREADS_BIND": "auto",
+            "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+            "OMP_NUM_THREADS": "1",
             "KVSTAGE_VLLM_NO_SPIN": "1",
             **self.placement.env(),
             **dict(self.extra_env),
         }
         if self.dev_mode:
             env["VLLM_SERVER_DEV_MODE"] = "1"
-        if self.tp > 1:
-            cores = max(os.cpu_count() or 1, self.tp)
-            env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(r % cores) for r in range(self.tp))
         return env
 
 
@@ -316,16 +319,34 @@ def start_router(
 
 def vllm_stacks() -> str:
     """py-spy's Python stacks of every process of this machine named VLLM::... (engine cores and workers), each cut
-    to `STACKS_CHARS`: where a hung engine stands, readable after its servers are gone."""
-    spy = shutil.which("py-spy", path=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}")
-    if spy is None:
-        return "py-spy is not installed"
+    to `STACKS_CHARS`, then a line per process on where its main thread stands with the scheduler (last, so that
+    the tail of a test's output shows it): where a hung engine stands, readable after its servers are gone."""
     found = subprocess.run(["pgrep", "^VLLM::"], capture_output=True, text=True, check=False).stdout.split()
-    dumps = []
-    for pid in found:
-        try:
-            out = subprocess.run([spy, "dump", "--pid", pid], capture_output=True, text=True, timeout=30, check=False)
-            dumps.append((out.stdout + out.stderr)[:STACKS_CHARS])
-        except subprocess.TimeoutExpired:
-            dumps.append(f"py-spy gave no answer for process {pid} within 30 s")
-    return "\n".join(dumps) or "no VLLM:: process runs"
+    if not found:
+        return "no VLLM:: process runs"
+    spy = shutil.which("py-spy", path=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}")
+    dumps = [_py_spy(spy, pid) for pid in found] if spy is not None else ["py-spy is not installed"]
+    return "\n".join([*dumps, "main threads and the scheduler:", *(main_thread_scheduling(pid) for pid in found)])
+
+
+def _py_spy(spy: str, pid: str) -> str:
+    try:
+        out = subprocess.run([spy, "dump", "--pid", pid], capture_output=True, text=True, timeout=30, check=False)
+    except subprocess.TimeoutExpired:
+        return f"py-spy gave no answer for process {pid} within 30 s"
+    return (out.stdout + out.stderr)[:STACKS_CHARS]
+
+
+def main_thread_scheduling(pid: str) -> str:
+    """Process `pid`'s main thread (Linux): its state, the CPUs it may run on, and how long it has run and waited
+    on a run queue since it started (schedstat). A thread that waited far longer than it ran was starved of CPU."""
+    proc = Path("/proc") / pid
+    try:
+        name = (proc / "comm").read_text().strip()
+        state = (proc / "stat").read_text().rpartition(")")[2].split()[0]
+        status = dict(line.split(":", 1) for line in (proc / "status").read_text().splitlines() if ":" in line)
+        ran_ns, waited_ns = (int(x) for x in (proc / "schedstat").read_text().split()[:2])
+    except (OSError, ValueError) as exc:
+        return f"{pid}: not readable ({exc})"
+    cpus = status.get("Cpus_allowed_list", "?").strip()
+    return f"{pid} {name}: state {state}, CPUs {cpus}, ran {ran_ns / 1e9:.1f} s, waited to run {waited_ns / 1e9:.1f} s"
