@@ -264,8 +264,7 @@ class VLLMServerSpec:
         (`VLLM_CPU_OMP_THREADS_BIND=nobind`). Bound, each TP rank's threads could run on one core only, and on
         the shared 2-core host a rank was seen waiting 107 s to run on its core (its schedstat run delay) while
         other processes' threads ran there and its peer rank spun in vLLM's shared-memory all-reduce: the
-        engine hung (both TP=2 engines of a cluster at once, in 3 of 4 full runs of the suite on 2026-12-03).
-        Unbound, the kernel moves a waiting worker to the other core."""
+        engine hung (docs/deploy.md). Unbound, the kernel moves a waiting worker to the other core."""
         env = {
             "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib),
             "VLLM_CPU_OMP_THREADS_BIND": "nobind",
@@ -344,9 +343,8 @@ def main_thread_scheduling(pid: str) -> str:
     try:
         name = (proc / "comm").read_text().strip()
         state = (proc / "stat").read_text().rpartition(")")[2].split()[0]
-        status = dict(line.split(":", 1) for line in (proc / "status").read_text().splitlines() if ":" in line)
+        cpus = ",".join(str(cpu) for cpu in sorted(os.sched_getaffinity(int(pid))))
         ran_ns, waited_ns = (int(x) for x in (proc / "schedstat").read_text().split()[:2])
     except (OSError, ValueError) as exc:
         return f"{pid}: not readable ({exc})"
-    cpus = status.get("Cpus_allowed_list", "?").strip()
     return f"{pid} {name}: state {state}, CPUs {cpus}, ran {ran_ns / 1e9:.1f} s, waited to run {waited_ns / 1e9:.1f} s"
