@@ -281,8 +281,8 @@ class Replay:
 
         self._gate = StreamGate(self.device)
         for worker in half.workers:
-            assert worker.agent is not None and worker.agent.copier.stream is not None
-            self._gate.hold(worker.agent.copier.stream)
+            assert worker.agent is not None and worker.agent.device_work.stream is not None
+            self._gate.hold(worker.agent.device_work.stream)
 
     def _open(self) -> None:
         assert self._gate is not None

@@ -107,8 +107,9 @@ RING_BLOCK = 4096
 class ControlCut:
     """The test-side fault of a writer cut off from decode, on a running agent: `stall` holds every transfer thread
     of the data transport before it starts its next write (writes submitted meanwhile wait in the backend's queue,
-    not started: a long pause or a congested link), `cut` drops every control frame in and out from then on,
-    `unstall` lets the transfer threads go on. Completions polled after the cut are recorded with their wall time."""
+    not started: a long pause or a congested link; the local backend moves bytes on the agent's reactor, which then
+    stalls whole, as in a long GC pause), `cut` drops every control frame in and out from then on, `unstall` lets
+    the transfer threads go on. Completions polled after the cut are recorded with their wall time."""
 
     def __init__(self, agent: PrefillAgent | DecodeAgent) -> None:
         self.agent = agent
@@ -118,9 +119,13 @@ class ControlCut:
         self.completions: list[dict] = []
         self.is_cut = False
         transport: DataTransport = agent.transport
-        runner = getattr(transport, "_copier", None) or transport._writer  # local's copy thread, the others' writers
-        run = runner._run
-        runner._run = lambda job: self._before(run, job)
+        runner = getattr(transport, "_writer", None)  # mooncake's and nixl's writer threads
+        if runner is None:  # local moves the bytes inside the write call, on the agent's reactor: it stalls there
+            move = transport._move
+            transport._move = lambda job: self._before(move, job)
+        else:
+            run = runner._run
+            runner._run = lambda job: self._before(run, job)
         poll = transport.poll
         transport.poll = lambda: self._record(poll())  # type: ignore[method-assign]
         channel = agent.channel

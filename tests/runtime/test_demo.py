@@ -54,7 +54,9 @@ def test_demo_lands_every_room_bit_exact_and_aborts_one_with_its_pages_returned(
     assert all(r.ok and r.verified and not r.reasons for r in landed)
     assert any(r.request.prefix_tokens for r in landed), "one room starts from a decode-side cached prefix"
     (room,) = aborted
-    assert not room.ok and room.reasons == (ABORTED_BY_DECODE,) and room.pages_back
+    # a decode rank may hear of decode's abort from a prefill rank before its own engine's call reaches it
+    assert not room.ok and ABORTED_BY_DECODE in room.reasons and room.pages_back
+    assert set(room.reasons) <= {ABORTED_BY_DECODE, "aborted by prefill"}, room.reasons
     assert report.expected_digest == report.decode_digest
     assert report.rings_empty and report.pages_returned
     assert report.rejected_frames == 0 and report.internal_errors == 0 and report.shm_left == ()

@@ -136,10 +136,10 @@ def test_kv_and_staging_on_the_gpu_hand_off_bit_exact(cluster, prefill_tp, decod
 def test_a_chunks_ring_space_is_freed_only_once_its_scatter_has_landed(cluster):
     prefill, decode = cluster(2, 1)
     [reader] = decode
-    assert reader.copier.stream is not None
+    assert reader.device_work.stream is not None
     _warm_up(prefill, decode)
     with StreamGate() as gate:
-        gate.hold(reader.copier.stream)  # every scatter queues behind the shut gate
+        gate.hold(reader.device_work.stream)  # every scatter queues behind the shut gate
         sides = _start_room(prefill, decode, 1, 128)
         _until(lambda: reader._landing, "a scatter is queued behind the gate")
         for _ in range(20):
@@ -152,10 +152,10 @@ def test_a_chunks_ring_space_is_freed_only_once_its_scatter_has_landed(cluster):
 def test_an_abort_during_a_scatter_gives_the_pages_back_only_after_that_scatter_landed(cluster):
     prefill, decode = cluster(2, 1)
     [reader] = decode
-    assert reader.copier.stream is not None
+    assert reader.device_work.stream is not None
     _warm_up(prefill, decode)
     with StreamGate() as gate:
-        gate.hold(reader.copier.stream)
+        gate.hold(reader.device_work.stream)
         sides = _start_room(prefill, decode, 7, 128)
         _until(lambda: reader._landing, "a scatter is queued behind the gate")
         reader.abort(7)

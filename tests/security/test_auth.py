@@ -117,7 +117,7 @@ def test_bootstrap_answers_only_authentic_requests_and_refuses_replays() -> None
 
 @pytest.mark.parametrize("bind", ["tcp://0.0.0.0:*", "tcp://*:*", "tcp://10.1.2.3:*"])
 def test_a_bind_beyond_loopback_without_a_secret_is_refused_naming_the_secret(bind: str) -> None:
-    channel = ControlChannel(bind, encode=bytes, decode=bytes, deliver=print, on_send_failure=print)
+    channel = ControlChannel(bind, encode=bytes, decode=bytes, deliver=print)
     with pytest.raises(ConfigError, match=SECRET_ENV):
         channel.start()
     with pytest.raises(ConfigError, match="--insecure"):
@@ -129,7 +129,7 @@ def test_an_open_bind_starts_with_a_secret_or_when_insecure_is_explicit() -> Non
         pass
     with BootstrapServer("tcp://0.0.0.0:*", insecure=True):
         pass
-    with ControlChannel("tcp://0.0.0.0:*", encode=bytes, decode=bytes, deliver=print, on_send_failure=print,
+    with ControlChannel("tcp://0.0.0.0:*", encode=bytes, decode=bytes, deliver=print,
                         auth=FrameAuth(SECRET)):  # fmt: skip
         pass
 

@@ -5,15 +5,15 @@ of each segment of a chunk's path, and the chunk's latency and period:
 
     grant hop       decode sends a Grant -> prefill's agent takes it up          (control round trip, one way)
     wait compute    the Grant taken up -> the write issued (the chunk's KV computed: R11)
-    gather queue    issued -> the copy thread starts the gather
-    gather          the gather on the copy thread (on a GPU: queueing it)
-    gather pickup   the gather's end -> prefill's agent thread takes it up
+    gather queue    issued -> the reactor starts the gather
+    gather          the gather on the reactor (on a GPU: queueing it)
+    gather pickup   the gather's end -> prefill's reactor takes it up
     write window    taken up -> posted (waits for the peer's write window and the lease)
     write           posted -> prefill's agent sees it complete
     ready hop       complete -> decode's agent takes up the ChunkReady            (control, one way)
     scatter start   the chunk's last ChunkReady taken up -> the scatter issued
-    scatter queue   issued -> the copy thread starts it
-    scatter         the scatter on the copy thread (on a GPU: queueing it)
+    scatter queue   issued -> the reactor starts it
+    scatter         the scatter on the reactor (on a GPU: queueing it)
     land            the scatter's end -> decode's agent sees it landed and frees the ring space
     latency         the chunk's first write issued (granted and computed) -> landed
     period          between successive chunks of a room landing on a decode rank: the time each chunk costs

@@ -67,7 +67,7 @@ PREFILL_POLL_S = 0.01
 #: Chunk stamps each agent keeps (runtime/trace.py): several rounds' worth of the largest runs.
 TRACE_MARKS = 1 << 18
 #: The agent's threads whose CPU time each staged round reports, by the end of their names.
-AGENT_THREADS = {"agent cpu": "-agent", "copy cpu": "-copier", "control cpu": "-io"}
+AGENT_THREADS = {"reactor cpu": "-reactor"}
 
 
 class WorkerFailed(Exception):
@@ -130,7 +130,7 @@ def since(before: dict[str, float], after: dict[str, float]) -> tuple[tuple[str,
 
 
 def thread_cpu_seconds() -> dict[str, float]:
-    """CPU seconds so far of this process's agent threads (one agent per bench rank process), by AGENT_THREADS."""
+    """CPU seconds so far of this process's reactors (one agent per bench rank process), by AGENT_THREADS."""
     out: dict[str, float] = {}
     for thread in threading.enumerate():
         for label, suffix in AGENT_THREADS.items():
@@ -150,7 +150,7 @@ def wait_until(at: float) -> float:
 @dataclass(frozen=True, slots=True)
 class Timed:
     """One measured run on one rank: first submission, last completion, transfer operations issued, and (staged
-    path) the seconds this rank's agent spent in each stage: "gather" or "scatter" on its copy thread, "transfer"
+    path) the seconds this rank's agent spent in each stage: "gather" or "scatter" on its reactor, "transfer"
     with at least one write in flight, and the CPU seconds of its threads (AGENT_THREADS); and its chunk marks."""
 
     start: float

@@ -6,7 +6,7 @@ keeps the same interface, and its fences do nothing.
 
 Invariants: a fence is recorded on the stream that queued the copies, after them; `done()` is True only once every
 copy queued before it on that stream has finished; `wait()` waits for that one event, never for a whole stream or
-the device. Called by the agents' copy thread (runtime/copier.py records one after every gather and scatter), by the
+the device. Called by the agents' reactor (runtime/reactor.py records one after every gather and scatter), by the
 decode agent (a chunk's ring space and a failed room's pages go back only once their scatters' fences are done) and
 by dataplane.stage (its waiting calls wait for their own fence).
 """

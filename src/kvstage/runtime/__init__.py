@@ -1,7 +1,7 @@
 """kvstage.runtime: the agents that run the sans-I/O protocol for real (threads, sockets, transports, clocks).
 
 `DecodeAgent` (decode.py) and `PrefillAgent` (prefill.py), built on `BaseAgent` (agent.py, with its peer tables
-in peers.py), are what an engine embeds; `Copier` (copier.py) runs their gathers and scatters; `AgentMetrics`
+in peers.py), are what an engine embeds, each run by one reactor thread (reactor.py); `AgentMetrics`
 (metrics.py) is their Prometheus registry; `Resolver` (directory.py) keeps their view of peers fresh from the
 bootstrap service.
 docs/integration.md shows how an engine plugs in. Imports point down only: runtime/ uses protocol/,

@@ -1,12 +1,16 @@
-"""The machinery every runtime agent shares: configuration, outcomes, the agent thread and its event loop.
+"""The machinery every runtime agent shares: configuration, outcomes, and the reactor thread that drives it all.
 
 Owns `BaseAgent` (its values are in config.py, what it knows of its peers in peers.py), the base of
 `DecodeAgent` (decode.py) and `PrefillAgent` (prefill.py). An agent drives one protocol endpoint with real
-sockets, a real data transport, gather/scatter on the engine's KV pool, a clock and metrics. It owns one agent
-thread (the only thread that touches the endpoint, the transport's write/poll calls and the agent's tables), plus
-the threads it starts: the copy thread (gather/scatter, `copier.py`), the control channel's I/O thread, the
-peer resolver (`directory.py`) and, on prefill, the importer (prefill.py), whose results come back as
-`AgentTask`s. The engine-facing API is small and never blocks:
+sockets, a real data transport, gather/scatter on the engine's KV, a clock and metrics, all from ONE thread, the
+reactor: it waits on its mailbox and its control socket (reactor.py), reads and answers control frames itself
+(transport/control.py has no thread), queues its gathers and scatters on its own CUDA stream or copies in place on
+the CPU (`DeviceWork`), posts writes, polls CUDA events and transport completions, and runs the protocol's timers.
+A chunk's handoff thus crosses no Python thread on either side between the engine's call and the outcome. Two
+helper threads stay off that path: the peer resolver (bootstrap lookups, `directory.py`) and, on prefill, the
+importer (imports of decode memory, which NIXL can block for seconds), whose results come back through the
+mailbox as `AgentTask`s; a transport whose native calls block (mooncake, nixl) runs them on threads of its own
+that wake the reactor when a write completes. The engine-facing API is small and never blocks:
 
     decode engine:  agent.expect_room(room, prefill_peers, num_tokens, prefix_tokens, pages, timeout_s)
                     agent.abort(room);  agent.poll() -> [RoomOutcome]
@@ -14,23 +18,22 @@ peer resolver (`directory.py`) and, on prefill, the importer (prefill.py), whose
                     agent.compute_scheduled(room, end_tokens);  agent.kv_ready(room, end_tokens, pages)
                     agent.abort(room);  agent.poll() -> [RoomOutcome]
 
-Each engine call only appends an event to the agent's queue. `poll` pops finished outcomes. Memory ownership
-(docs/integration.md has the full story): the engine owns its KV (a `KVPool`, or its own tensors wrapped as an
-`EngineKV`) and a room's pages; kvstage only reads (prefill) or writes (decode) them between the engine call and
-the room's outcome.
+Each engine call only appends an event to the agent's mailbox (and wakes the reactor if it sleeps). `poll` pops
+finished outcomes. Memory ownership (docs/integration.md has the full story): the engine owns its KV (a `KVPool`,
+or its own tensors wrapped as an `EngineKV`) and a room's pages; kvstage only reads (prefill) or writes (decode)
+them between the engine call and the room's outcome.
 
 Invariants:
-- a blocking call never runs on the engine's thread; bootstrap lookups run on the resolver thread;
+- a blocking call never runs on the engine's thread, nor on the reactor: bootstrap lookups run on the resolver
+  thread, imports on the importer thread; the reactor never waits for the device (it polls events);
 - every action with a token gets exactly one Completion back (write, scatter, fence), and every Send either goes
   to the control channel or comes back as SendFailed, so the endpoint's failure handling always runs;
 - a transport error, a gather/scatter error or an endpoint bug fails (at most) one room with a reason, logged and
-  counted; the agent thread never dies because of one room;
-- inbound frames waiting for the agent thread are capped in count and bytes (`max_inbox`, `max_inbox_bytes`: the
-  channel asks before it hands one over); beyond it they are dropped and counted as "inbox full" (the protocol
-  retries every request); they wait as bytes, with only their head read (`_peek`), and a body this side never
-  takes is refused there, never decoded; the agent thread decodes one frame at a time, once its sender is
-  verified (peers.py); sends parked for unresolved peers are bounded in peers, count, bytes and
-  time (`outbox.py`, `AgentConfig.park`);
+  counted; the reactor never dies because of one room;
+- inbound frames wait only in ZeroMQ's bounded receive queue (control.py); the reactor reads at most
+  `ChannelConfig.recv_batch` of them a turn, reads only their head (`_peek`), refuses there a body this side never
+  takes, and decodes one once its sender is verified (peers.py); sends parked for unresolved peers are bounded in
+  peers, count, bytes and time (`outbox.py`, `AgentConfig.park`);
 - a send that fails never changes a room the addressee has no part in (the endpoint checks, R3);
 - per-peer state goes when the peer goes, and a stranger never changes a room: peers.py keeps both (it releases
   departed peers, and verifies every inbound frame's sender before the endpoint sees it).
@@ -42,7 +45,6 @@ and `kvstage bench` through `kvstage.runtime`.
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 from abc import abstractmethod
@@ -72,19 +74,17 @@ from kvstage.protocol import (
     RoomSucceeded,
     Scatter,
     Send,
-    SendFailed,
     WriteDirect,
     WriteRegion,
 )
 from kvstage.protocol.codec import body_tags
-from kvstage.protocol.messages import Envelope
 from kvstage.protocol.reasons import INVALID_REQUEST
 from kvstage.runtime.affinity import spread_threads
 from kvstage.runtime.config import AgentConfig, AgentSnapshot, RoomOutcome, check_peer
-from kvstage.runtime.copier import Copier, CopyDone
 from kvstage.runtime.directory import Resolver
 from kvstage.runtime.metrics import AgentMetrics
 from kvstage.runtime.peers import InboundFrame, PeerLinks
+from kvstage.runtime.reactor import DeviceWork, Mailbox, wait_for_work
 from kvstage.runtime.trace import ChunkTrace
 from kvstage.transport.auth import FrameAuth
 from kvstage.transport.bootstrap import PeerRecord
@@ -99,39 +99,34 @@ from kvstage.transport.directory import Directory, open_directory
 
 log = logging.getLogger(__name__)
 
-#: The transport wakes the agent thread when a write completes (`DataTransport.on_completion`). As a backstop
-#: while writes are in flight, the thread also polls it: first after BUSY_POLL_MIN_S, doubling up to
-#: BUSY_POLL_MAX_S with each wait that passes with no event at all (a completion starts over from the minimum), so
-#: traffic on the control plane does not stretch it. With nothing in flight it sleeps up to IDLE_POLL_S when no
-#: event or timer is due.
-BUSY_POLL_MIN_S = 0.0002
-BUSY_POLL_MAX_S = 0.004
+#: While device work or writes are in flight the reactor polls them: first after BUSY_POLL_MIN_S, doubling up to
+#: BUSY_POLL_MAX_S with each wait that passes with nothing done (a completion starts over from the minimum). A
+#: chunk's device work takes tens of microseconds, so the first polls come that soon; transports that complete on
+#: threads of their own (mooncake, nixl) also wake the reactor, and the poll is then only a backstop. With nothing
+#: in flight it sleeps up to IDLE_POLL_S when no post, frame or timer comes.
+BUSY_POLL_MIN_S = 0.00002
+BUSY_POLL_MAX_S = 0.002
 IDLE_POLL_S = 0.05
-#: How often the agent thread releases the state of peers that left and fails sends parked for too long.
+#: How often the reactor releases the state of peers that left and fails sends parked for too long.
 PEER_SWEEP_S = 0.5
-
-
-@dataclass(frozen=True, slots=True)
-class _ChannelFailure:
-    address: str
-    envelope: Envelope
-    reason: str
+#: How often the snapshot and the gauges are refreshed (a timer, never per turn: they walk the endpoint's tables).
+REFRESH_S = 0.01
 
 
 @dataclass(frozen=True, slots=True)
 class AgentTask:
-    """Work another thread of the agent hands back to the agent thread, which runs `run()` in its loop (guarded
-    like every step): how a blocking call made off the agent thread reports its result."""
+    """Work another thread of the agent hands back to the reactor, which runs `run()` in its loop (guarded like
+    every step): how a blocking call made off the reactor reports its result."""
 
     run: Callable[[], None]
 
 
 _STOP = object()
-_WAKE = object()  # a write completed: the loop polls the transport after every batch of events
+_WAKE = object()  # a write completed on a transport's own thread: the turn polls the transport
 
 
 class BaseAgent(PeerLinks):
-    """Shared machinery: queue, agent thread, control channel, resolver, bootstrap record, outcomes, metrics."""
+    """Shared machinery: queue, reactor, control channel, resolver, bootstrap record, outcomes, metrics."""
 
     def __init__(self, config: AgentConfig, kv: KVStore) -> None:
         """`kv`: this rank's KV, a `KVPool` or the engine's own tensors (`EngineKV`)."""
@@ -145,25 +140,21 @@ class BaseAgent(PeerLinks):
         self.trace = ChunkTrace(config.trace_chunks)
         self.session = time.time_ns()
         self._codec = Codec(config.channel.max_frame_bytes)
-        self._events: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._inbox_lock = threading.Lock()
-        self._inbox = 0
-        self._inbox_sizes: deque[int] = deque()  # frame bytes of each InboundFrame queued, in order
-        self._inbox_bytes = 0
+        self._mailbox = Mailbox()
         self._outcomes: deque[RoomOutcome] = deque()
         self._work: deque[Any] = deque()
         self._draining = False
         self._poll_delay = BUSY_POLL_MIN_S
         self._next_sweep = 0.0
-        self._refreshed = 0.0  # when the snapshot and gauges were last refreshed: after each turn that did something
+        self._next_refresh = 0.0  # when the snapshot and gauges are refreshed next
         self._moved = False  # a transfer completed or a scatter landed this turn
         self._snapshot = AgentSnapshot()
-        self._thread = threading.Thread(target=self._run, name=f"kvstage-{self.role}-agent", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=f"kvstage-{self.role}-reactor", daemon=True)
         self._started = False
         self.transport: DataTransport
         self.pool_region: LocalRegion | None = None
         self.engine_blocks: EngineBlocks | None = None  # where an engine's KV lies in `pool_region` (direct path)
-        self.copier: Copier  # (and the endpoint, channel and resolver PeerLinks declares) made by start()
+        self.device_work = DeviceWork(kv.device)  # the reactor's stream (GPU KV) for gathers and scatters
 
     # ---- lifecycle ---------------------------------------------------------------------------------------
 
@@ -178,7 +169,7 @@ class BaseAgent(PeerLinks):
 
     def _start(self) -> BaseAgent:
         self.transport = create_transport(self.config.bounded_transport)
-        self.transport.on_completion(lambda: self._events.put(_WAKE))
+        self.transport.on_completion(lambda: self._mailbox.put(_WAKE))
         try:
             descriptors = self._setup_memory()
             self.endpoint = self._make_endpoint()
@@ -188,8 +179,6 @@ class BaseAgent(PeerLinks):
                 encode=self._codec.encode,
                 decode=self._peek,
                 deliver=self._deliver,
-                admit=self._admit,
-                on_send_failure=lambda address, env, reason: self._events.put(_ChannelFailure(address, env, reason)),
                 on_reject=self.metrics.frame_rejected,
                 config=self.config.channel,
                 name=self.peer_id,
@@ -199,7 +188,7 @@ class BaseAgent(PeerLinks):
             record = self.config.record(self.role, self.channel.address, self.session, descriptors)
             self.resolver = Resolver(
                 self.config.bootstrap,
-                self._events.put,
+                self._mailbox.put,
                 refresh_s=self.config.resolve_refresh_s,
                 max_peers=self.config.limits.max_peers,
                 unresolved_ttl_s=self.config.park.ttl_s,
@@ -210,22 +199,22 @@ class BaseAgent(PeerLinks):
         except BaseException:
             self.transport.close()
             raise
-        self.copier = Copier(self._events.put, name=f"{self.peer_id}-copier", device=self.pool.device)
         self._started = True
         self._thread.start()
         return self
 
     def close(self) -> None:
-        """Stop the agent thread, withdraw the bootstrap record, close sockets and the transport."""
+        """Stop the reactor, withdraw the bootstrap record, close sockets and the transport."""
         if not self._started:
             return
         self._started = False
-        self._events.put(_STOP)
+        self._mailbox.put(_STOP)
         self._thread.join(10)
-        self.copier.close()
         self.resolver.close()  # withdraws this rank's record
-        self.channel.close()
+        if not self._thread.is_alive():  # else the reactor still owns the sockets; they go with the process
+            self.channel.close()
         self.transport.close()
+        self._mailbox.close()
 
     def __enter__(self) -> BaseAgent:
         return self.start()
@@ -253,7 +242,7 @@ class BaseAgent(PeerLinks):
 
     def abort(self, room: int) -> None:
         """Give up on `room`; its outcome (failed, "aborted by ...") comes back through `poll`."""
-        self._events.put(AbortRoom(room))
+        self._mailbox.put(AbortRoom(room))
 
     def poll(self) -> list[RoomOutcome]:
         """Rooms that ended since the last call. Never blocks."""
@@ -327,14 +316,10 @@ class BaseAgent(PeerLinks):
 
     @abstractmethod
     def _execute(self, action: Any) -> None:
-        """Carry out one protocol action of this side (writes, scatters, fences); on the agent thread."""
-
-    def _copy_done(self, done: CopyDone) -> None:
-        """A gather or scatter submitted to the copier finished."""
-        raise TypeError(f"{self.role} agent submitted no copy {done.key!r}")
+        """Carry out one protocol action of this side (writes, scatters, fences); on the reactor."""
 
     def _after_turn(self) -> None:
-        """Per-turn housekeeping on the agent thread (retry waiting writes, metrics)."""
+        """Per-turn housekeeping on the reactor (retry waiting writes, metrics)."""
 
     def _progressed(self) -> None:
         """A transfer completed: poll the transport at the shortest delay again."""
@@ -345,87 +330,77 @@ class BaseAgent(PeerLinks):
         """True while transfers are in flight: the loop then polls the transport often."""
         return False
 
-    # ---- agent thread ------------------------------------------------------------------------------------
+    # ---- the reactor -------------------------------------------------------------------------------------
 
     def _bootstrap_client(self) -> Directory:
         return open_directory(
             self.config.bootstrap, timeout_s=self.config.bootstrap_timeout_s, secret=self.config.secret
         )
 
-    def _admit(self, nbytes: int) -> bool:
-        """Control I/O thread: room in the inbox for one more decoded frame of `nbytes`? (If so it is reserved, and
-        the channel delivers that frame next.)"""
-        with self._inbox_lock:
-            if self._inbox >= self.config.max_inbox or self._inbox_bytes + nbytes > self.config.max_inbox_bytes:
-                return False
-            self._inbox += 1
-            self._inbox_bytes += nbytes
-            self._inbox_sizes.append(nbytes)
-            return True
-
     def _peek(self, frame: bytes) -> InboundFrame:
-        """Control I/O thread: the frame's sender, session and body tag, its body left undecoded; `ProtocolError`
-        (counted as undecodable) for a frame whose head does not read or whose body this side never takes."""
+        """Reactor, inside `channel.receive`: the frame's sender, session and body tag, its body left undecoded;
+        `ProtocolError` (counted as undecodable) for a frame whose head does not read or whose body this side never
+        takes."""
         head = self._codec.peek(frame)
         if head.tag not in self._accepted_tags:
             raise ProtocolError(f"a {head.tag!r} body, which a {self.role} rank never takes")
         return InboundFrame(bytes(frame), head)
 
     def _deliver(self, inbound: InboundFrame) -> None:
-        """Control I/O thread: queue an admitted frame for the agent thread."""
-        self._events.put(inbound)
+        """A frame the channel read (inside `channel.receive`, on the reactor): verified and fed, guarded."""
+        self._guarded(self._on_frame, inbound)
 
     def _run(self) -> None:
-        while self._turn():
-            pass
+        self.channel.adopt()
+        with self.device_work.current():
+            while self._turn():
+                pass
+        self.channel.close()
 
     def _turn(self) -> bool:
-        """One turn of the agent thread; False once asked to stop. Its events die with it: nothing inbound stays
-        referenced while the thread waits for the next batch."""
+        """One turn of the reactor; False once asked to stop. Its events die with it: nothing inbound stays
+        referenced while the thread waits for the next turn."""
+        wait_for_work(self._mailbox, self.channel, self._timeout())
         stopping = False
-        batch = self._next_batch()
+        batch = self._mailbox.take()
         for item in batch:
             if item is _STOP:
                 stopping = True
             elif item is not _WAKE:
                 self._guarded(self._dispatch, item)
+        received = 0
+        try:
+            received = self.channel.receive()
+        except TransportError as exc:  # closed under the loop: the agent is stopping
+            log.debug("%s: control channel: %s", self.peer_id, exc)
         self._guarded(self._poll_transport)
+        self._guarded(self._after_turn)
         now = time.monotonic()
         due = self.endpoint.next_timer()
-        fired = due is not None and now >= due
-        if fired:
+        if due is not None and now >= due:
             self._guarded(self._feed_actions, self.endpoint.tick(now))
         if now >= self._next_sweep:
             self._next_sweep = now + PEER_SWEEP_S
             self._guarded(self._release_departed, now)
-        self._guarded(self._after_turn)
-        if batch or fired or self._moved or now - self._refreshed >= IDLE_POLL_S:  # else nothing it shows changed
-            self._moved = False
-            self._refreshed = now
+        if self._busy() and not (batch or received or self._moved):  # a wait went by with nothing done: back off
+            self._poll_delay = min(2 * self._poll_delay, BUSY_POLL_MAX_S)
+        self._moved = False
+        if now >= self._next_refresh:
+            self._next_refresh = now + REFRESH_S
             self._guarded(self._refresh_snapshot)
         return not stopping
 
-    def _next_batch(self) -> list[Any]:
-        busy = self._busy()
-        timeout = self._poll_delay if busy else IDLE_POLL_S
+    def _timeout(self) -> float:
+        """How long the next wait may sleep: until the next timer, poll of work in flight, sweep or refresh."""
+        now = time.monotonic()
+        wake = min(now + (self._poll_delay if self._busy() else IDLE_POLL_S), self._next_sweep, self._next_refresh)
         due = self.endpoint.next_timer()
         if due is not None:
-            timeout = min(timeout, max(0.0, due - time.monotonic()))
-        try:
-            batch = [self._events.get(timeout=timeout)]
-        except queue.Empty:
-            if busy:  # a whole wait went by with nothing done: back off (a completion resets it, `_progressed`)
-                self._poll_delay = min(2 * self._poll_delay, BUSY_POLL_MAX_S)
-            return []
-        while len(batch) < 1024:
-            try:
-                batch.append(self._events.get_nowait())
-            except queue.Empty:
-                break
-        return batch
+            wake = min(wake, due)
+        return wake - now
 
     def _guarded(self, fn: Any, *args: Any) -> None:
-        """Run one step; a bug in it is logged and counted, and never kills the agent thread."""
+        """Run one step; a bug in it is logged and counted, and never kills the reactor."""
         try:
             fn(*args)
         except Exception:
@@ -435,25 +410,10 @@ class BaseAgent(PeerLinks):
     def _dispatch(self, item: Any) -> None:
         if isinstance(item, PeerRecord):
             self._on_record(item)
-            return
-        if isinstance(item, CopyDone):
-            self._copy_done(item)
-            return
-        if isinstance(item, AgentTask):
+        elif isinstance(item, AgentTask):
             item.run()
-            return
-        if isinstance(item, _ChannelFailure):
-            peer = self._peer_of_address.get(item.address)
-            if peer is not None:
-                self._feed(SendFailed(peer, item.envelope, item.reason))
-            return
-        if isinstance(item, InboundFrame):
-            with self._inbox_lock:
-                self._inbox -= 1
-                self._inbox_bytes -= self._inbox_sizes.popleft()
-            self._on_frame(item)
-            return
-        self._feed(item)
+        else:
+            self._feed(item)
 
     def _feed(self, event: Any) -> None:
         """Hand one event to the endpoint and carry out its actions, then those of any follow-up events (in

@@ -11,7 +11,7 @@ the dirty bytes and, from the last `FREED_KEPT` frees, the allocations (ring epo
 before the check each was freed: a late write's room and writer follow from its chunk's grant (its region's epoch).
 
 Invariants: a legitimate write only ever targets a live allocation, so the check has no false alarm. It compares
-the free bytes at every allocation on the agent thread: host memory eight bytes at a time through numpy (about
+the free bytes at every allocation on the reactor: host memory eight bytes at a time through numpy (about
 1 ms per 8 MiB on a loaded 2-core host; torch's elementwise compare and sum took 150-280 ms there, long enough to
 silence the agent past a short `dead_after_s`), device memory on its GPU. Keep the ring small where it is on. Called by
 `DecodeAgent._make_endpoint`; the bookkeeping stays `StagingRing`'s (kvstage.ring), the bytes are the agent's.

@@ -55,9 +55,6 @@ class AgentConfig:
     staging_bytes: int = 64 * 2**20
     #: Prefill: writes in flight per decode peer; more wait in order (see PrefillAgent._enqueue_write).
     writes_per_peer: int = 2
-    max_inbox: int = 65536
-    #: Frame bytes waiting for the agent thread, undecoded (with `max_inbox`: inbound memory is bounded in bytes).
-    max_inbox_bytes: int = 64 * 2**20
     #: Sends parked for peers not resolved yet; `park.ttl_s` also bounds how long the resolver asks for a peer
     #: that never registers.
     park: ParkLimits = field(default_factory=ParkLimits)
@@ -127,7 +124,7 @@ class RoomOutcome:
 
 @dataclass(frozen=True, slots=True)
 class AgentSnapshot:
-    """Read-only view refreshed by the agent thread after every turn; safe to read from any thread."""
+    """Read-only view refreshed by the reactor after every turn; safe to read from any thread."""
 
     open_rooms: int = 0
     quiescent: bool = True

@@ -13,11 +13,13 @@ failed room's outcome reaches the engine only when its pages are truly free.
 Where the KV is on a GPU and the backend moves GPU memory (cuda_ipc, nixl), the ring lives on that GPU
 (`DataTransport.staging_device`); otherwise in host memory.
 
-Event-fenced release: a scatter is queued on the copy thread's stream and its `CopyFence` (one CUDA event per chunk)
-comes back with the `CopyDone`. The chunk's Completion, which frees its ring space, is given only once that fence
-is done, found by polling it every turn of the agent thread (never a wait, never a whole-stream synchronize). A room
-counts its scatters until their fences are done, so FenceScatter (sent before a failed or aborted room's pages go
-back) completes only after its in-flight scatters have landed. On the CPU the fence is done at once.
+Event-fenced release: a scatter is queued by the reactor itself on the agent's stream (`DeviceWork`), after the event
+recorded on the engine's stream when the room was expected (so it waits for what the engine had queued on those
+pages then, never for the engine's later steps), and followed by a `CopyFence` (one CUDA event per chunk). The
+chunk's Completion, which frees its ring space, is given only once that fence is done, found by polling it every
+turn of the reactor (never a wait, never a whole-stream synchronize). A room counts its scatters until their fences
+are done, so FenceScatter (sent before a failed or aborted room's pages go back) completes only after its in-flight
+scatters have landed. On the CPU a scatter copies in place and its fence is done at once.
 
 Invariants: a scatter writes the token range its Scatter action names, and its ring region is freed (by the
 endpoint) only after its fence is done; FenceScatter completes only once the room has no scatter queued or landing;
@@ -30,7 +32,9 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import replace
-from typing import Any, assert_never, cast
+from typing import Any, assert_never
+
+import torch
 
 from kvstage.dataplane import EngineKV, KVStore, RequestSlots, queue_scatter_region
 from kvstage.dataplane.engine_blocks import EngineBlocks
@@ -56,7 +60,7 @@ from kvstage.ring import StagingRing
 from kvstage.runtime.agent import BaseAgent, published_blocks
 from kvstage.runtime.canary import CanaryRing
 from kvstage.runtime.config import AgentConfig, AgentSnapshot, RoomOutcome
-from kvstage.runtime.copier import CopyDone
+from kvstage.runtime.reactor import CopyDone
 from kvstage.transport.bootstrap import PeerRecord
 from kvstage.transport.data import (
     LocalRegion,
@@ -80,9 +84,13 @@ class DecodeAgent(BaseAgent):
         self._failed: dict[int, str] = {}
         self._freed: dict[int, tuple[int, ...]] = {}
         self._scatters: dict[int, int] = {}  # room -> scatters queued or landing (fence not done yet)
-        self._landing: deque[CopyDone] = deque()  # queued scatters whose fences are not done yet, in queue order
+        self._landing: deque[tuple[Scatter, CopyDone]] = deque()  # queued scatters whose fences are not done yet
         self._fences: dict[int, list[int]] = {}  # room -> FenceScatter tokens waiting for those scatters
         self._slots: dict[int, RequestSlots] = {}  # open room -> its decode slots, looked up at expect_room
+        #: room -> the event recorded on the engine's stream at expect_room (GPU KV), set on the engine's thread and
+        #: taken by the reactor with the room's ExpectRoom; the room's scatters wait for it
+        self._posted_ready: dict[int, torch.cuda.Event] = {}
+        self._pages_ready: dict[int, torch.cuda.Event] = {}
         self._unplaced: dict[int, tuple[float, ExpectRoom]] = {}  # rooms waiting for their writers' records (engine KV)
         self._decided: set[int] = set()  # rooms handed on without those records: they stage
         self._engine_direct = False  # an engine's own KV exported for direct writes (`_setup_memory`)
@@ -105,7 +113,9 @@ class DecodeAgent(BaseAgent):
         `prompt` is a digest of the prompt's tokens (empty: unchecked): prefill fails a room computing another."""
         deadline = time.monotonic() + timeout_s
         pages = tuple(pages)
-        self._events.put(ExpectRoom(room, tuple(prefill_peers), num_tokens, prefix_tokens, pages, deadline, prompt))
+        if self.pool.device.type == "cuda":  # what the engine queued on these pages so far comes before any scatter
+            self._posted_ready[room] = torch.cuda.current_stream(self.pool.device).record_event()
+        self._mailbox.put(ExpectRoom(room, tuple(prefill_peers), num_tokens, prefix_tokens, pages, deadline, prompt))
 
     # ---- hooks -------------------------------------------------------------------------------------------
 
@@ -114,17 +124,23 @@ class DecodeAgent(BaseAgent):
         reject the call at once, and every scatter of the room takes a view of the slots. A room whose path depends
         on its writers' records waits for them first (`_with_path`)."""
         if isinstance(event, AbortRoom) and event.room in self._unplaced:
+            self._posted_ready.pop(event.room, None)
             pages = self._unplaced.pop(event.room)[1].pages
             self._outcome(RoomOutcome(event.room, False, ABORTED_BY_DECODE, pages))
             return []
         if not isinstance(event, ExpectRoom):
             return super()._handle(event)
+        ready = self._posted_ready.pop(event.room, None)
         slots = self.pool.request_slots(event.pages, event.prefix_tokens, event.num_tokens)
         expect = self._with_path(event)
-        if expect is None:
+        if expect is None:  # waits for its writers' records, and is handled again then
+            if ready is not None:
+                self._posted_ready[event.room] = ready
             return []
         actions = super()._handle(expect)
         self._slots[event.room] = slots
+        if ready is not None:
+            self._pages_ready[event.room] = ready
         return actions
 
     def _with_path(self, event: ExpectRoom) -> ExpectRoom | None:
@@ -211,7 +227,7 @@ class DecodeAgent(BaseAgent):
                 self._failed[action.room] = action.reason
                 self._maybe_report_failure(action.room)
             case RoomSucceeded():
-                self._slots.pop(action.room, None)
+                self._forget_room(action.room)
                 self._outcome(RoomOutcome(action.room, True))
             case WriteRegion() | WriteDirect() | Send() | FencePeer():
                 raise TypeError(f"decode agent cannot execute {action!r}")
@@ -220,49 +236,53 @@ class DecodeAgent(BaseAgent):
 
     def _maybe_report_failure(self, room: int) -> None:
         if room in self._failed and room in self._freed:
-            self._slots.pop(room, None)
+            self._forget_room(room)
             self._outcome(RoomOutcome(room, False, self._failed.pop(room), self._freed.pop(room)))
 
+    def _forget_room(self, room: int) -> None:
+        self._slots.pop(room, None)
+        self._pages_ready.pop(room, None)
+
     def _scatter(self, action: Scatter) -> None:
-        """Queue the scatter on the copy thread; the room's in-flight count lets FenceScatter wait for it."""
+        """Queue the scatter on the agent's stream (on the CPU: copy it now); the room's in-flight count lets
+        FenceScatter wait for it until its fence is done."""
         self._scatters[action.room] = self._scatters.get(action.room, 0) + 1
-        ring = self.ring_region.tensor
         self.trace.mark(action.room, action.chunk, "scatter_issued")
 
         def job() -> int:
             self.trace.mark(action.room, action.chunk, "scatter_begin")
             slots = self._slots[action.room]  # stored when the room was accepted, dropped with its outcome
+            ready = self._pages_ready.get(action.room)
+            if ready is not None and self.device_work.stream is not None:
+                self.device_work.stream.wait_event(ready)
             chunk_slots = slots.range(action.token_start, action.token_end)
-            nbytes = queue_scatter_region(ring, action.region.offset, action.plan, self.pool, chunk_slots)
-            self.trace.mark(action.room, action.chunk, "scatter_end")
-            return nbytes
+            return queue_scatter_region(self.ring_region.tensor, action.region.offset, action.plan, self.pool,
+                                        chunk_slots)  # fmt: skip
 
-        self.copier.submit((action.token, action.room, action.chunk), job)
-
-    def _copy_done(self, done: CopyDone) -> None:
-        """A scatter is queued (or failed to): it counts as in flight until its fence is done."""
-        self._landing.append(done)
+        done = self.device_work.run(job, f"scatter of room {action.room} chunk {action.chunk}")
+        self.trace.mark(action.room, action.chunk, "scatter_end")
+        self._landing.append((action, done))
         self._land()
 
     def _land(self) -> None:
         """Finish every queued scatter whose fence is done (polled, never waited for)."""
-        still: deque[CopyDone] = deque()
-        for done in self._landing:
+        still: deque[tuple[Scatter, CopyDone]] = deque()
+        for action, done in self._landing:
             try:
                 landed = done.fence.done()
             except RuntimeError as exc:  # the device failed the copy: the chunk fails, the room with it
-                self._landed(done, f"scatter failed on the device: {exc}")
+                self._landed(action, done, f"scatter failed on the device: {exc}")
                 continue
             if landed:
-                self._landed(done, "" if done.ok else f"scatter failed: {done.reason}")
+                self._landed(action, done, "" if done.ok else f"scatter failed: {done.reason}")
             else:
-                still.append(done)
+                still.append((action, done))
         self._landing = still
 
-    def _landed(self, done: CopyDone, failure: str) -> None:
+    def _landed(self, action: Scatter, done: CopyDone, failure: str) -> None:
         self._progressed()
-        token, room, chunk = cast(tuple[int, int, int], done.key)
-        self.trace.mark(room, chunk, "landed")
+        room = action.room
+        self.trace.mark(room, action.chunk, "landed")
         left = self._scatters[room] - 1
         if left:
             self._scatters[room] = left
@@ -270,7 +290,7 @@ class DecodeAgent(BaseAgent):
             del self._scatters[room]
         if not failure:
             self.metrics.copy_done("scatter", time.perf_counter() - done.started)
-        self._complete(token, not failure, failure)
+        self._complete(action.token, not failure, failure)
         if not left:
             for fence in self._fences.pop(room, []):
                 self._complete(fence, True)

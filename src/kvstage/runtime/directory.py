@@ -9,7 +9,7 @@ registration, etcd when its lease is not renewed) and registers it again if the 
 bootstrap starts empty), so the directory heals without restarting any rank; `close` withdraws it. On etcd a round
 also runs as soon as the watch sees a record change.
 
-Invariants: the agent thread never blocks on the directory (lookups happen here); a failed lookup is logged when
+Invariants: the reactor never blocks on the directory (lookups happen here); a failed lookup is logged when
 the trouble starts (and when it ends) and retried next round, never fatal. The set of peers asked about is bounded
 in count and time: at most `max_peers`; a peer still unresolved `unresolved_ttl_s` after it was last asked about is
 dropped (a stranger that named itself in one frame and never registered); a newcomer over the cap evicts the

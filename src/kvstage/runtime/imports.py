@@ -5,9 +5,9 @@ that session, so that a write goes only into memory of the session that granted 
 when a peer whose import failed, or was dropped to reconnect, is imported again (at most every IMPORT_RETRY_S).
 
 Invariants: the transport's imports run on the importer thread only (NIXL connects to the peer inside one, seen
-blocking 11 s, and the agent thread must go on answering its peers meanwhile); their results are applied on the
-agent thread, handed back through `post` as `AgentTask`s; a result for a session no longer wanted (the peer fenced
-or replaced meanwhile) is forgotten, never installed. Everything but the importer's job runs on the agent thread.
+blocking 11 s, and the reactor must go on answering its peers meanwhile); their results are applied on the
+reactor, handed back through `post` as `AgentTask`s; a result for a session no longer wanted (the peer fenced
+or replaced meanwhile) is forgotten, never installed. Everything but the importer's job runs on the reactor.
 Called by `PrefillAgent` (prefill.py), which decides when to import, drop and reconnect.
 """
 
@@ -108,7 +108,7 @@ class PeerImports:
         self._importer.shutdown(wait=False, cancel_futures=True)  # one under way ends when the transport closes
 
     def _load(self, record: PeerRecord) -> None:
-        """Importer thread: import the peer's descriptors and hand them to the agent thread."""
+        """Importer thread: import the peer's descriptors and hand them to the reactor."""
         regions: list[RemoteRegion | None] = [None, None, None]
         try:
             regions[0] = self._import(record, "ring")

@@ -107,7 +107,7 @@ class AgentMetrics:
             "kvstage_transfer_seconds", "Latency of one transfer", labels, buckets=_LATENCY_BUCKETS, registry=reg
         )
         self.copy_seconds = Histogram(
-            "kvstage_copy_seconds", "Run time of one chunk's gather (prefill) or scatter (decode) on the copy thread",
+            "kvstage_copy_seconds", "Run time of one chunk's gather (prefill) or scatter (decode) on the reactor",
             (*labels, "kind"), buckets=_LATENCY_BUCKETS, registry=reg,
         )  # fmt: skip
         self.failures = Counter("kvstage_room_failures", "Room failures by reason", (*labels, "reason"), registry=reg)
@@ -137,7 +137,7 @@ class AgentMetrics:
         self._bytes_moved = 0
         self._lock = threading.Lock()
         # each metric's child for this agent's labels (and an extra label's value), looked up once: `labels()` takes
-        # a lock and checks its arguments on every call, and the agent thread updates gauges several times a chunk
+        # a lock and checks its arguments on every call, and the reactor updates gauges several times a chunk
         self._children: dict[tuple[int, str | None], Any] = {}
 
     def _of(self, metric: MetricWrapperBase, extra: str | None = None) -> Any:
@@ -169,7 +169,7 @@ class AgentMetrics:
                 self._of(self.throughput).set(self._bytes_moved / busy)
 
     def copy_done(self, kind: str, seconds: float) -> None:
-        """One chunk's gather or scatter (`kind`) ran for `seconds` on the copy thread."""
+        """One chunk's gather or scatter (`kind`) ran for `seconds` on the reactor."""
         self._of(self.copy_seconds, kind).observe(seconds)
 
     def room_failed(self, reason: str) -> None:

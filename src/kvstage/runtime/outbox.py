@@ -16,7 +16,7 @@ Invariants:
 - every envelope that leaves other than for sending (expired, evicted, dropped with its peer) is handed back
   to the caller, which reports it as a failed send: nothing disappears silently.
 
-Pure bookkeeping on the agent thread (no locks, no I/O, the caller passes `now`). Called by runtime/peers.py.
+Pure bookkeeping on the reactor (no locks, no I/O, the caller passes `now`). Called by runtime/peers.py.
 """
 
 from __future__ import annotations

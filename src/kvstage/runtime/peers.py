@@ -5,7 +5,7 @@ address), the peers found incompatible (`check_peer`), the sends parked for peer
 inbound frames held from senders not verified yet (two `ParkedSends`, outbox.py, each bounded by
 `AgentConfig.park`). It checks every inbound frame's sender before the endpoint sees it (`_verified`), sends or
 parks every outbound envelope (`_send`), takes in each record the resolver delivers (`_on_record`) and releases
-the peers that left (`_release_departed`). All of it runs on the agent thread; the state lives on the agent
+the peers that left (`_release_departed`). All of it runs on the reactor; the state lives on the agent
 itself (`agent._records`, ...), so the subclasses and tests read it there.
 
 Invariants:

@@ -3,8 +3,11 @@
 Owns: the local source staging buffer (allocated from the data transport, managed by a `StagingRing`), the imported
 rings and pools of decode peers keyed by the decode session that published them, and the writes in flight, at most
 `AgentConfig.writes_per_peer` per decode peer (the rest wait in order), and each active room's slots (its pages
-looked up once per `kv_ready`, on the agent thread). Staged path: gather the chunk's heads into a staging slot on the
-copy thread, taking a view of the room's slots, then one bulk write into the decode ring. Direct path (matched TP):
+looked up once per `kv_ready`, on the reactor). Staged path: gather the chunk's heads into a staging slot, queued by
+the reactor on the agent's stream after the engine's KV-ready event (on the CPU: copied in place), taking a view of
+the room's slots, then one bulk write into the decode ring: queued at once behind the gather on the device where the
+transport orders writes there (cuda_ipc: no host wait between the two), else posted once the gather's fence is
+done (polled each turn). Direct path (matched TP):
 one write per contiguous run, straight into the decode rank's KV: of each (layer, K/V, page) slice between
 `KVPool`s, of whole (layer, block)s between engines' own KV caches in vLLM's CPU format (dataplane/engine_blocks.py,
 one prepared list of runs per chunk); a direct write between unlike layouts fails its room with the reason.
@@ -17,7 +20,7 @@ peer, re-checked at the moment of posting, and the epoch the write was emitted u
 for a lapsed lease, as does one its transport refused for one before any byte moved, and fails unposted once the
 peer is fenced or has fenced this writer's epoch); every write ends in exactly one Completion, queued ones
 included (a completion frees its peer's window for the next); a decode peer's descriptors are imported on the
-importer thread, never on the agent thread (NIXL connects inside an import, seen blocking 11 s), and writes to it
+importer thread, never on the reactor (NIXL connects inside an import, seen blocking 11 s), and writes to it
 wait for them (imports.py); a decode peer that still answers while a write to it fails as disconnected, on a
 backend that connects only at import (NIXL), has its imports dropped once no write to it is in flight, and made
 again at a later write, at most once per IMPORT_RETRY_S (`_reconnect`); a room's slots are kept only while the
@@ -31,8 +34,8 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass
-from typing import Any, assert_never, cast
+from dataclasses import dataclass, replace
+from typing import Any, assert_never
 
 import torch
 
@@ -62,8 +65,8 @@ from kvstage.protocol.reasons import LEASE_EXPIRED
 from kvstage.ring import Allocation, StagingRing, region_ready
 from kvstage.runtime.agent import BaseAgent
 from kvstage.runtime.config import AgentConfig, AgentSnapshot, RoomOutcome
-from kvstage.runtime.copier import CopyDone
 from kvstage.runtime.imports import IMPORT_RETRY_S, PeerImports
+from kvstage.runtime.reactor import CopyDone
 from kvstage.runtime.reclaim import PageClaims
 from kvstage.transport.bootstrap import PeerRecord
 from kvstage.transport.data import (
@@ -136,7 +139,7 @@ class PrefillAgent(BaseAgent):
         self._slab = StagingRing(config.staging_bytes, 64)
         self._waiting: deque[_Write] = deque()
         self._in_flight: dict[int, _Ready] = {}  # transfer id -> the write posted under it
-        self._gathering: dict[int, _Write] = {}  # action token -> staged write whose gather is running
+        self._gathering: deque[tuple[_Write, CopyDone]] = deque()  # staged writes whose gather is on the device
         self._unresolved: list[tuple[float, WriteRegion | WriteDirect]] = []  # waiting for a newer decode record
         self._queued: dict[str, deque[_Ready]] = {}  # decode peer -> ready writes waiting for its window
         self._slots: dict[int, _RoomSlots] = {}  # active room -> its pages' slots, looked up at kv_ready
@@ -149,19 +152,22 @@ class PrefillAgent(BaseAgent):
         """This rank computes `room` (`num_tokens` tokens, whose digest is `prompt`; empty: unchecked) for a decode
         instance of TP `decode_tp` (0: not known yet, the first decode rank's Metadata says it; the room holds its
         pages until decode's ranks attach or `timeout_s` has passed)."""
-        self._events.put(AttachRoom(room, num_tokens, decode_tp, time.monotonic() + timeout_s, prompt))
+        self._mailbox.put(AttachRoom(room, num_tokens, decode_tp, time.monotonic() + timeout_s, prompt))
 
     def compute_scheduled(self, room: int, end_tokens: int) -> None:
         """The next forward pass computes tokens [.., end_tokens) of `room`: staging is requested for them (R11)."""
-        self._events.put(ComputeScheduled(room, end_tokens))
+        self._mailbox.put(ComputeScheduled(room, end_tokens))
 
     def kv_ready(
         self, room: int, end_tokens: int, pages: tuple[int, ...], ready: torch.cuda.Event | None = None
     ) -> None:
         """KV of tokens [0, end_tokens) is computed in `pages` (on a GPU: once `ready`, an event on the engine's
-        stream, is done; gathers wait for it on the device); kvstage reads them until the room's outcome."""
+        stream, is done; gathers wait for it on the device; None on a GPU: the KV is taken as computed by what the
+        engine has queued on its current stream so far); kvstage reads them until the room's outcome."""
+        if ready is None and self.pool.device.type == "cuda":
+            ready = torch.cuda.current_stream(self.pool.device).record_event()
         self._claims.set_ready(room, ready)
-        self._events.put(KVReady(room, end_tokens, tuple(pages)))
+        self._mailbox.put(KVReady(room, end_tokens, tuple(pages)))
 
     def reclaim(self, room: int) -> torch.cuda.Event | None:
         """The engine takes `room`'s pages back (vLLM preempted its request) and the room is aborted. When this
@@ -169,13 +175,13 @@ class PrefillAgent(BaseAgent):
         returned event follows every gather queued, and the engine's stream must wait on it before it writes
         the pages (`PageClaims`). Never blocks on the network."""
         event = self._claims.reclaim(room)
-        self._events.put(AbortRoom(room))
+        self._mailbox.put(AbortRoom(room))
         return event
 
     # ---- hooks -------------------------------------------------------------------------------------------
 
     def _setup_memory(self) -> dict[str, bytes]:
-        self.imports = PeerImports(self.transport, self._events.put, self.metrics, self.peer_id)
+        self.imports = PeerImports(self.transport, self._mailbox.put, self.metrics, self.peer_id)
         self.staging_region = self._host_region(self.config.staging_bytes)
         self.export_pool()  # the pool is the source of direct-path writes
         # an engine's blocks tell decode ranks whether this rank can write theirs page to page
@@ -366,37 +372,53 @@ class PrefillAgent(BaseAgent):
         self._waiting = still
 
     def _start_staged(self, write: _Write) -> None:
-        """Gather on the copy thread; the bulk write starts when the gather is done (`_copy_done`)."""
+        """Gather on the agent's stream (on the CPU: now); the bulk write follows (`_gathered`)."""
         action = write.action
         assert isinstance(action, WriteRegion) and write.slot is not None
         transfer, staging, offset = action.block.transfer, self.staging_region.tensor, write.slot.offset
-        self._gathering[action.token] = write
-
         known = self._slots.get(action.room)
 
         def job() -> int:
             self.trace.mark(action.room, action.chunk, "gather_begin", action.peer)
             heads = (transfer.src_head_start, transfer.num_heads)
             self.pool.geometry.check_heads(*heads)
-            with self._claims.reading(action.room, self.copier.stream):
+            with self._claims.reading(action.room, self.device_work.stream):
                 slots = None if known is None else known.of(action, self.pool.layout.page_size)
                 if slots is None:  # no lookup at kv_ready (its pages were refused) or other pages: this chunk's
                     first = action.src_offset
                     slots = self.pool.slot_indices(action.src_pages, first, first + action.num_tokens)
-                nbytes = gather_slots(self.pool, slots, *heads, staging, offset)
-            self.trace.mark(action.room, action.chunk, "gather_end", action.peer)
-            return nbytes
+                return gather_slots(self.pool, slots, *heads, staging, offset)
 
-        self.copier.submit(action.token, job)
+        done = self.device_work.run(job, f"gather of room {action.room} chunk {action.chunk}")
+        self.trace.mark(action.room, action.chunk, "gather_end", action.peer)
+        if not done.ok or done.fence.event is None or self.transport.orders_on_device:
+            self._gathered(write, done)  # failed, landed (CPU), or the write is ordered after it on the device
+        else:
+            self._gathering.append((write, done))  # the write is posted once the gather has landed
 
-    def _copy_done(self, done: CopyDone) -> None:
-        write = self._gathering.pop(cast(int, done.key))
+    def _land_gathers(self) -> None:
+        """Post the writes whose gathers have landed on the device (polled, never waited for)."""
+        still: deque[tuple[_Write, CopyDone]] = deque()
+        for write, done in self._gathering:
+            try:
+                landed = done.fence.done()
+            except RuntimeError as exc:  # the device failed the gather
+                self._gathered(write, replace(done, ok=False, reason=f"on the device: {exc}"))
+                continue
+            if landed:
+                self._gathered(write, done)
+            else:
+                still.append((write, done))
+        self._gathering = still
+
+    def _gathered(self, write: _Write, done: CopyDone) -> None:
         assert isinstance(write.action, WriteRegion) and write.slot is not None
         self.trace.mark(write.action.room, write.action.chunk, "gather_seen", write.action.peer)
         if not done.ok:
             self._slab.free(write.slot)
             self._complete(write.action.token, False, f"gather failed: {done.reason}")
             return
+        self._progressed()
         self.metrics.copy_done("gather", done.seconds)
         write.after = done.fence.event
         self._enqueue_write(write, [(write.slot.offset, write.action.dst_offset, write.nbytes)], self.staging_region)
@@ -527,6 +549,8 @@ class PrefillAgent(BaseAgent):
             self._submit_queued(write.action.peer)
 
     def _after_turn(self) -> None:
+        if self._gathering:
+            self._land_gathers()
         for peer in list(self._queued):
             self._submit_queued(peer)
         if self._unresolved:
@@ -538,7 +562,7 @@ class PrefillAgent(BaseAgent):
         self.metrics.set_parked(self.endpoint.parked_count())
 
     def _busy(self) -> bool:
-        return bool(self._in_flight or self._queued)
+        return bool(self._in_flight or self._queued or self._gathering)
 
     def _make_snapshot(self, stats: dict[str, int]) -> AgentSnapshot:
         base = super()._make_snapshot(stats)

@@ -1,7 +1,7 @@
 """When the engine takes a room's pages back while kvstage may still read them: `PageClaims`.
 
 vLLM frees a preempted request's blocks at once and may write another request's KV into them in the very next
-forward pass. A prefill agent reads those blocks on its copy thread (the gathers), so the engine, before that
+forward pass. A prefill agent reads those blocks on its reactor (the gathers), so the engine, before that
 forward, calls `PrefillAgent.reclaim(room)`, and this object makes the answer exact:
 
 - every gather of a room runs inside `reading(room)`, which refuses to start once the room was reclaimed and holds
@@ -14,8 +14,8 @@ forward, calls `PrefillAgent.reclaim(room)`, and this object makes the answer ex
 
 Invariants: after `reclaim(room)` returns, no gather of the room reads its pages, except on the device, ordered
 before the returned event; state is kept only for rooms with a gather or a ready event and goes with the room's
-outcome (`forget`). Called by runtime/prefill.py: `reading` on the copy thread, `reclaim` and `set_ready` on the
-engine's thread, `forget` on the agent thread.
+outcome (`forget`). Called by runtime/prefill.py: `reading` on the reactor, `reclaim` and `set_ready` on the
+engine's thread, `forget` on the reactor.
 """
 
 from __future__ import annotations

@@ -5,21 +5,21 @@ has one, `time.monotonic()`), off unless the agent is
 built with `AgentConfig.trace_chunks > 0`. CLOCK_MONOTONIC is shared by every process of a host, so the stamps of
 a prefill and a decode rank on one host line up and give the control hops between them too.
 
-Stages, in a chunk's order (a `*_out` stamp is the agent thread handing a message to the control channel, a `*_in`
-stamp the agent thread taking it up; `STAGES` lists them):
+Stages, in a chunk's order (a `*_out` stamp is the reactor handing a message to the control channel, a `*_in`
+stamp the reactor taking it up; `STAGES` lists them):
 
     prefill  request_out   a StagingRequest sent (the engine scheduled the chunk's tokens)
     decode   request_in, grant_out
     prefill  grant_in      the Grant arrived
              issued        its write was issued (granted and computed)
-             gather_begin, gather_end   the gather on the copy thread (on a GPU: queued, not landed)
-             gather_seen   the agent thread took up the gather's end
+             gather_begin, gather_end   the gather on the reactor (on a GPU: queued, not landed)
+             gather_seen   the reactor took up the gather's end
              posted        the write was handed to the transport
-             written       the agent thread saw the write complete
+             written       the reactor saw the write complete
              ready_out     its ChunkReady sent
     decode   ready_in      a writer's ChunkReady arrived (the last one of the chunk starts the scatter)
-             scatter_issued, scatter_begin, scatter_end   the scatter on the copy thread
-             landed        the agent thread saw the scatter land; the chunk's ring space is freed
+             scatter_issued, scatter_begin, scatter_end   the scatter on the reactor
+             landed        the reactor saw the scatter land; the chunk's ring space is freed
 
 Invariants: at most `capacity` marks are kept (the oldest go first); `mark` is safe from any thread (a deque append)
 and costs one attribute test when tracing is off. Called by runtime/agent.py, decode.py and prefill.py; read by

@@ -5,8 +5,8 @@ out (`LocalRegion`, `RemoteRegion`), the wire form of a region (`RegionDescripto
 (`Completion`), and the bookkeeping every backend shares: transfer ids, bounds checks, operation counts and the
 queue of completions.
 
-Primitives, and who calls each (the runtime agents own one transport per rank and call it from one I/O thread;
-every method is nonetheless safe to call from any thread):
+Primitives, and who calls each (the runtime agents own one transport per rank and call it from their reactor
+thread; every method is nonetheless safe to call from any thread):
 
 | primitive                                   | side    | called by                                          |
 |---------------------------------------------|---------|----------------------------------------------------|
@@ -18,7 +18,7 @@ every method is nonetheless safe to call from any thread):
 | `import_remote(desc) -> RemoteRegion`       | writer  | prefill, on receiving a decode rank's descriptor   |
 | `write(src, src_off, dst, dst_off, n)`      | writer  | prefill, one bulk write per (chunk, decode rank)   |
 | `write_batch(src, dst, [(s, d, n), ...])`   | writer  | prefill (direct path), the per-slice baseline      |
-| `poll() -> list[Completion]`                | writer  | prefill I/O thread, every loop turn                |
+| `poll() -> list[Completion]`                | writer  | prefill's reactor, every turn                      |
 | `forget_remote(remote)` / `unregister(r)`   | both    | when a peer session ends / a region is retired     |
 | `close()`                                   | both    | agent shutdown                                     |
 
@@ -48,7 +48,7 @@ Invariants:
 - GPU memory: only a backend with `device_memory` (cuda_ipc, nixl) allocates or registers it; `staging_device` is the
   KV's GPU for such a backend and the host otherwise, so the agents' staging falls back to host memory;
 - `write_batch(..., after=event)`: the writes start only after that CUDA event (the gather that filled the
-  source); a backend that copies on a stream orders its stream after it, any other waits for it first.
+  source): ordered on the device (`orders_on_device`), or waited for first.
 
 A backend whose Python package is missing raises `kvstage.errors.TransportUnavailable` from its constructor,
 naming the pip extra. Backends subclass `DataTransport` and implement the `_`-prefixed hooks only.
@@ -290,9 +290,8 @@ class WriteBound:
 
 
 class DataTransport(ABC):
-    """Base of every data backend. Public methods are final; backends implement the `_` hooks.
-
-    Hooks run with the transport's lock held, and must not block for long:
+    """Base of every data backend. Public methods are final; backends implement the `_` hooks, which run with the
+    transport's lock held, and must not block for long:
     - `_register(tensor, region_id)`: make `tensor` usable as a source or target (pin, register with the NIC);
     - `_allocate(nbytes, region_id, pinned) -> tensor`: memory a peer can write into (default: a fresh tensor,
       page-locked for CUDA when `pinned`); `_allocate_device(nbytes, device) -> tensor`: the same on a GPU
@@ -311,6 +310,7 @@ class DataTransport(ABC):
     pins_for_cuda: ClassVar[bool] = False
     #: Whether the backend moves GPU memory: `allocate(device="cuda:N")` and `register` of GPU tensors.
     device_memory: ClassVar[bool] = False
+    orders_on_device: ClassVar[bool] = False  #: `after` is waited for on the device (cuda_ipc), not the host
     #: Whether the backend connects to a peer when its region is imported and never again by itself, so that a
     #: connection that failed while the peer lives (a write `peer_gone` to a peer that still answers) is made again
     #: only by forgetting every region of that peer and importing them anew (nixl: a failed UCX endpoint).

@@ -8,18 +8,21 @@ How it works. `allocate` takes a fresh cudaMalloc allocation, zeroes it and hand
 descriptor carries the allocation's IPC handle (`cudaIpcGetMemHandle`), its size, the UUID of its GPU and the
 owner's pid. A writer opens the handle on that GPU (`cudaIpcOpenMemHandle`, peer access enabled lazily, so a writer
 whose KV is on another GPU of the host writes peer to peer) and checks the real size of what it mapped
-(`cuMemGetAddressRange`) against the descriptor before any write. A write is handed to this transport's launcher
-thread, which waits (on the host, off the caller's thread) for the write's `after` event (the gather that filled
-the source) to complete, checks `not_after` immediately before it queues anything, and queues one bounded copy
-per slice (`bounded_copy`) on the writer's stream, then a CUDA event; `poll` asks each event (`query`, never a
-wait), so a completion never blocks the agent thread.
+(`cuMemGetAddressRange`) against the descriptor before any write. A write is queued by the caller's own thread (the
+agent's reactor) inside `write_batch`, with no thread of this transport in between and no host wait: the writer's
+stream waits on the device for the write's `after` event (the gather that filled the source), `not_after` is
+checked as the copies are queued, and one bounded copy per slice (`bounded_copy`) follows on the writer's stream,
+then a CUDA event; `poll` asks each event (`query`, never a wait), so a completion never blocks the caller.
 
-The hard bound on late copies. With `max_write_s` set, each copy carries a device-clock deadline, `max_write_s`
-after it was queued (the transports' rule: a posted write lands within `max_write_s` or never): a program of the
-copy that the device reaches after it stores nothing, and the write then completes failed (`LATE_ON_DEVICE`),
-however long the GPU was held (a backed-up stream, a stalled peer kernel). So no byte lands in ring space decode
-may have granted again. Within one process a handle cannot be opened (CUDA refuses its own handles), so there the
-region is found in this process's table of exported regions.
+The hard bound on late copies. Each copy carries a device-clock deadline, the earlier of `not_after` (the writer's
+lease) and `max_write_s` after it was queued (the transports' rule: a posted write lands within `max_write_s` or
+never): a program of the copy that the device reaches after it stores nothing, and the write then completes failed
+(`LATE_ON_DEVICE`), however long the GPU was held (a gather still running, a backed-up stream, a stalled peer
+kernel). So a write checked against its lease on the host, and reached by the device only after the lease ran out,
+lands no byte, and none lands in ring space decode may have granted again. The device's count of skipped programs
+comes back through a page-locked counter taken from a pool (`_Counters`), not a fresh allocation per write. Within
+one process a handle cannot be opened (CUDA refuses its own handles), so there the region is found in this
+process's table of exported regions.
 
 Memory lifetime. An allocation is freed (cudaFree), and an opened handle closed, when the last tensor over it is
 garbage-collected, never explicitly, so a copy still queued never touches freed memory (local.py does the same
@@ -37,7 +40,6 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
-import queue
 import threading
 import time
 import weakref
@@ -208,7 +210,7 @@ class _Target:
 
 @dataclass(frozen=True, slots=True)
 class _Launch:
-    """A write handed to the launcher thread: what to copy where, after which event, under which bound."""
+    """A write to queue: what to copy where, after which event, under which bound."""
 
     transfer_id: int
     after: torch.cuda.Event | None
@@ -222,13 +224,50 @@ class _Launch:
 @dataclass(frozen=True, slots=True)
 class _InFlight:
     """A write queued on a stream: its event, operations, the reason if queueing it failed part way, and (bounded
-    copies) a page-locked host copy of the device's count of programs that stored nothing past the deadline."""
+    copies) the counter slot of the device's count of programs that stored nothing past the deadline."""
 
     transfer_id: int
     event: torch.cuda.Event
     ops: int
     reason: str
-    skipped: torch.Tensor | None
+    counter: tuple[_Counters, int] | None
+
+
+class _Counters:
+    """Counters of skipped copy programs on one GPU, each mirrored in page-locked host memory, handed out to writes
+    and taken back when their completion is seen. A new block of BLOCK slots is added when every slot is in use
+    (so their number is bounded by the most writes ever in flight at once); blocks are never freed while the
+    transport lives, since queued copies may still write them."""
+
+    BLOCK = 64
+
+    def __init__(self, device: torch.device) -> None:
+        self._device = device
+        self._blocks: list[tuple[torch.Tensor, torch.Tensor]] = []  # (device counts, page-locked host counts)
+        self._free: list[int] = []
+
+    def take(self) -> int:
+        if not self._free:
+            base = len(self._blocks) * self.BLOCK
+            counts = torch.zeros(self.BLOCK, dtype=torch.int32, device=self._device)
+            self._blocks.append((counts, torch.zeros(self.BLOCK, dtype=torch.int32, pin_memory=True)))
+            self._free = list(range(base + self.BLOCK - 1, base - 1, -1))
+        return self._free.pop()
+
+    def device(self, slot: int) -> torch.Tensor:
+        counts, _ = self._blocks[slot // self.BLOCK]
+        return counts[slot % self.BLOCK : slot % self.BLOCK + 1]
+
+    def publish(self, slot: int) -> None:
+        """Queue the copy of the slot's count to the host (after the write's copies, on the current stream)."""
+        _, host = self._blocks[slot // self.BLOCK]
+        host[slot % self.BLOCK : slot % self.BLOCK + 1].copy_(self.device(slot), non_blocking=True)
+
+    def give_back(self, slot: int) -> int:
+        """The slot's final count (its write's event is done, or failed); the slot is free again."""
+        _, host = self._blocks[slot // self.BLOCK]
+        self._free.append(slot)
+        return int(host[slot % self.BLOCK])
 
 
 class CudaIpcTransport(DataTransport):
@@ -236,6 +275,7 @@ class CudaIpcTransport(DataTransport):
 
     backend = "cuda_ipc"
     device_memory = True
+    orders_on_device = True
 
     def __init__(self, config: TransportConfig) -> None:
         if not torch.cuda.is_available():
@@ -251,13 +291,10 @@ class CudaIpcTransport(DataTransport):
         self._targets: dict[int, _Target] = {}
         self._streams: dict[int, torch.cuda.Stream] = {}
         self._clocks: dict[int, DeviceClock] = {}
+        self._counters: dict[int, _Counters] = {}
         self._after: torch.cuda.Event | None = None
-        self._flights = threading.Lock()  # guards _writes and _failed (launcher thread and poll)
         self._writes: list[_InFlight] = []
         self._failed: list[Completion] = []
-        self._launches: queue.SimpleQueue[_Launch | None] = queue.SimpleQueue()
-        self._launcher = threading.Thread(target=self._launch_loop, name="kvstage-cuda-ipc-launcher", daemon=True)
-        self._launcher.start()
 
     # ---- memory -------------------------------------------------------------------------------------------
     def _allocate(self, nbytes: int, region_id: int, pinned: bool) -> torch.Tensor:
@@ -341,6 +378,8 @@ class CudaIpcTransport(DataTransport):
     def _submit(
         self, transfer_id: int, src: LocalRegion, dst: RemoteRegion, slices: Sequence[Slice], bound: WriteBound
     ) -> str:
+        """Queue the write now, on the caller's thread (under the transport's lock); a write that fails here fails
+        alone (logged, and completed with the reason)."""
         after, self._after = self._after, None
         target = self._targets[dst.key]
         if not pid_alive(target.pid):
@@ -348,70 +387,67 @@ class CudaIpcTransport(DataTransport):
             self._fail(Completion(transfer_id, False, reason, len(slices), peer_gone=True))
             return ""
         where = f"region {dst.region_id} of {dst.owner!r}"
-        self._launches.put(_Launch(transfer_id, after, src.tensor, target.tensor, tuple(slices), bound, where))
+        launch = _Launch(transfer_id, after, src.tensor, target.tensor, tuple(slices), bound, where)
+        try:
+            self._writes.append(self._launch(launch))
+        except Exception as err:  # CUDA, Triton or clock errors: this write fails, the caller goes on
+            log.exception("transfer %d into %s failed", transfer_id, where)
+            self._fail(Completion(transfer_id, False, f"cuda_ipc write into {where}: {err}", len(slices)))
         return ""
 
     def _fail(self, completion: Completion) -> None:
-        with self._flights:
-            self._failed.append(completion)
+        self._failed.append(completion)
         self._completed()
 
-    def _launch_loop(self) -> None:
-        """The launcher thread: each write, in order, once its `after` event has completed. A write that fails here
-        fails alone (logged, and completed with the reason); the thread goes on."""
-        while (launch := self._launches.get()) is not None:
-            try:
-                flight = self._launch(launch)
-            except Exception as err:  # CUDA, Triton or clock errors: this write fails, the thread goes on
-                log.exception("transfer %d into %s failed", launch.transfer_id, launch.where)
-                self._fail(Completion(launch.transfer_id, False, f"cuda_ipc write into {launch.where}: {err}",
-                                      len(launch.slices)))  # fmt: skip
-                continue
-            with self._flights:
-                self._writes.append(flight)
-
     def _launch(self, launch: _Launch) -> _InFlight:
-        """Wait for the gather's event, then check the lease and queue the copies, bounded on the device by
-        `max_write_s` from now, and the write's event."""
-        if launch.after is not None:
-            launch.after.synchronize()  # the launcher thread waits, never the agent's; the lease is checked after
+        """Queue the copies on the writer's stream after the gather's event, bounded on the device by the earlier of
+        the lease and `max_write_s` from now, then the write's event; the lease is checked as they are queued."""
         source, target, bound = launch.source, launch.target, launch.bound
         device = source.device if source.is_cuda else target.device
         stream = self._stream(device)
-        skipped = skipped_host = None
+        now = time.monotonic()
+        ends = [t for t in (bound.not_after, None if bound.max_write_s is None else now + bound.max_write_s) if t]
+        counter: tuple[_Counters, int] | None = None
         deadline = 0
-        if bound.max_write_s is not None and source.is_cuda:
-            deadline = self._clock(device).deadline_ns(time.monotonic() + bound.max_write_s)
-            skipped_host = torch.zeros(1, dtype=torch.int32, pin_memory=True)
+        if ends and source.is_cuda:
+            deadline = self._clock(device).deadline_ns(min(ends))
+            counters = self._counter_pool(device)
+            counter = (counters, counters.take())
 
         def queue_piece(piece: tuple[Slice, ...], _: PostBy) -> str:
             for s_off, d_off, length in piece:
                 src, dst = source[s_off : s_off + length], target[d_off : d_off + length]
-                if skipped is None:
+                if counter is None:
                     dst.copy_(src, non_blocking=True)
                 else:
-                    self._bounded.bounded_copy(dst, src, deadline, skipped)
+                    self._bounded.bounded_copy(dst, src, deadline, counter[0].device(counter[1]))
             return ""
 
         with torch.cuda.stream(stream):
-            if skipped_host is not None:
-                skipped = torch.zeros(1, dtype=torch.int32, device=device)
+            if launch.after is not None:
+                stream.wait_event(launch.after)  # on the device: no host wait between the gather and the copy
+            if counter is not None:
+                counter[0].device(counter[1]).zero_()
             reason = bound.move(launch.slices, queue_piece)  # `not_after` checked right before the first copy
-            if skipped is not None and skipped_host is not None:
-                skipped_host.copy_(skipped, non_blocking=True)
+            if counter is not None:
+                counter[0].publish(counter[1])
             event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             event.record(stream)
-        return _InFlight(launch.transfer_id, event, len(launch.slices), reason, skipped_host)
+        return _InFlight(launch.transfer_id, event, len(launch.slices), reason, counter)
+
+    def _counter_pool(self, device: torch.device) -> _Counters:
+        index = torch.cuda.current_device() if device.index is None else device.index
+        pool = self._counters.get(index)
+        if pool is None:
+            pool = self._counters[index] = _Counters(torch.device("cuda", index))
+        return pool
 
     def _clock(self, device: torch.device) -> DeviceClock:
         """The clock of `device`, made on first use (at registration: `_register`)."""
         index = torch.cuda.current_device() if device.index is None else device.index
-        with self._flights:
-            clock = self._clocks.get(index)
+        clock = self._clocks.get(index)
         if clock is None:
-            clock = self._bounded.DeviceClock(torch.device("cuda", index))
-            with self._flights:
-                clock = self._clocks.setdefault(index, clock)
+            clock = self._clocks[index] = self._bounded.DeviceClock(torch.device("cuda", index))
         return clock
 
     def _stream(self, device: torch.device) -> torch.cuda.Stream:
@@ -423,31 +459,26 @@ class CudaIpcTransport(DataTransport):
         return stream
 
     def _progress(self) -> list[Completion]:
-        with self._flights:
-            done, self._failed = self._failed, []
-            writes, self._writes = self._writes, []
+        done, self._failed = self._failed, []
         still: list[_InFlight] = []
-        for write in writes:
+        for write in self._writes:
             try:
                 landed = write.event.query()  # type: ignore[no-untyped-call]
             except RuntimeError as err:
-                reason = f"cuda_ipc write failed on the device: {err}"
-                done.append(Completion(write.transfer_id, False, reason, write.ops))
+                _skipped(write)
+                done.append(Completion(write.transfer_id, False, f"cuda_ipc write failed on the device: {err}",
+                                       write.ops))  # fmt: skip
                 continue
             if landed:
-                reason = write.reason or _late(write, self._bounded.PROGRAM_BYTES)
+                reason = write.reason or _late(_skipped(write), self._bounded.PROGRAM_BYTES)
                 done.append(Completion(write.transfer_id, not reason, reason, write.ops))
             else:
                 still.append(write)
-        with self._flights:
-            self._writes[:0] = still
+        self._writes = still
         return done
 
     def _close(self) -> None:
-        self._launches.put(None)
-        self._launcher.join(timeout=10.0)  # the write it launches last may wait for its gather's event
-        with self._flights:
-            writes, self._writes = self._writes, []
+        writes, self._writes = self._writes, []
         for write in writes:  # shutdown only: copies still queued end before their memory can go
             write.event.synchronize()
         self._targets.clear()
@@ -457,12 +488,15 @@ class CudaIpcTransport(DataTransport):
         self._owned.clear()
 
 
-def _late(write: _InFlight, program_bytes: int) -> str:
-    """`LATE_ON_DEVICE` if some program of the write's bounded copies stored nothing (its event has completed, so
-    the page-locked count is final), else ""."""
-    if write.skipped is None or int(write.skipped[0]) == 0:
-        return ""
-    return f"{LATE_ON_DEVICE} ({int(write.skipped[0])} blocks of {program_bytes} bytes not written)"
+def _skipped(write: _InFlight) -> int:
+    """How many programs of the write's bounded copies stored nothing (its event is done, so the page-locked count
+    is final); its counter slot is given back."""
+    return 0 if write.counter is None else write.counter[0].give_back(write.counter[1])
+
+
+def _late(skipped: int, program_bytes: int) -> str:
+    """`LATE_ON_DEVICE` if some program of a write's bounded copies stored nothing, else ""."""
+    return f"{LATE_ON_DEVICE} ({skipped} blocks of {program_bytes} bytes not written)" if skipped else ""
 
 
 def _decode_ref(descriptor: RegionDescriptor) -> _IpcRef:

@@ -1,17 +1,19 @@
 """The `local` data backend: same-host shared memory, the embedded default with no extra dependency.
 
 Owns: the shared-memory segments behind regions from `allocate` (files under `TransportConfig.shm_dir`, named
-`kvstage-<pid>-<tag>-<region>`), the writer-side mappings of peers' segments, and one copy thread.
+`kvstage-<pid>-<tag>-<region>`), the writer-side mappings of peers' segments, and the completions of the writes it
+has carried out that `poll` has not returned yet.
 
 How it works. `allocate` creates a segment file, reserves all its pages at once (`posix_fallocate`: a
 shared-memory filesystem too small for it fails `allocate` with a `TransportError` naming the directory, the size
 and the free space, rather than a later write dying of SIGBUS), maps it and hands out a tensor over the mapping;
 its descriptor names the segment and the owner's pid. A writer maps the named segment and a write is a `copy_` into
-that mapping, done by this transport's copy thread so that `write` returns at once; `poll` reports what it finished.
+that mapping, done inside `write` on the caller's thread (the agent's reactor: a chunk's write then costs no hand-off
+to another thread, and torch copies with the GIL released); `poll` reports it.
 
 Caller memory (a `KVPool`, or an engine's own KV cache) is exported as this process's memory instead: its pid,
 its start time and the address (`_ProcessRef`), and a writer copies into it with cross-memory writes,
-`process_vm_writev`, up to 1024 runs a system call (cma.py), on the same copy thread.
+`process_vm_writev`, up to 1024 runs a system call (cma.py), the same way.
 
 Ownership. The process that created a segment is the only one that unlinks it (on `unregister` or `close`);
 writers only map and unmap. We do not use `multiprocessing.shared_memory`, whose resource tracker would unlink a
@@ -20,9 +22,9 @@ SIGKILL is swept by the next `LocalTransport` started by the same user.
 
 Invariants: a write to a peer whose process has died (or whose pid now names another process), or that has released
 the segment, fails with a reason and `peer_gone` before any byte is copied; a write whose `not_after` has passed
-when the copy thread takes it up copies nothing (`LEASE_EXPIRED`); with `max_write_s`, the copy goes in pieces and
-stops between two once half of `max_write_s` has passed since it began; a failed copy becomes a failed completion
-and the copy thread keeps running.
+right before its first byte would be copied copies nothing (`LEASE_EXPIRED`); with `max_write_s`, the copy goes in
+pieces and stops between two once half of `max_write_s` has passed since it began; a failed copy becomes a failed
+completion, never an exception out of `write`.
 Called through `kvstage.transport.data.create_transport`.
 """
 
@@ -55,7 +57,6 @@ from kvstage.transport.data.base import (
     WriteBound,
 )
 from kvstage.transport.data.cma import ProcessMemory
-from kvstage.transport.data.workers import JobRunner
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +117,7 @@ class LocalTransport(DataTransport):
         self._owned: dict[int, _Segment] = {}
         self._mapped: dict[int, _Segment | ProcessMemory] = {}
         _sweep_dead_segments(self._dir)
-        self._copier: JobRunner[_Job] = JobRunner(f"kvstage-local-{config.name}", _run_job, notify=self._completed)
+        self._done: list[Completion] = []
 
     # ---- memory -------------------------------------------------------------------------------------------
     def _allocate(self, nbytes: int, region_id: int, pinned: bool) -> torch.Tensor:  # shared memory: never pinned
@@ -184,14 +185,19 @@ class LocalTransport(DataTransport):
     def _submit(
         self, transfer_id: int, src: LocalRegion, dst: RemoteRegion, slices: Sequence[Slice], bound: WriteBound
     ) -> str:
-        self._copier.submit(_Job(transfer_id, src.tensor, self._mapped[dst.key], tuple(slices), bound))
-        return ""  # the copy thread checks the peer and the bound right before the first byte (`_run_job`)
+        self._done.append(self._move(_Job(transfer_id, src.tensor, self._mapped[dst.key], tuple(slices), bound)))
+        self._completed()
+        return ""
+
+    def _move(self, job: _Job) -> Completion:
+        """Carry the write out now: the peer and the bound are checked right before the first byte (`_run_job`)."""
+        return _run_job(job)
 
     def _progress(self) -> list[Completion]:
-        return self._copier.drain()
+        done, self._done = self._done, []
+        return done
 
     def _close(self) -> None:
-        self._copier.stop()
         for segment in self._owned.values():
             segment.path.unlink(missing_ok=True)
         self._owned.clear()
