@@ -79,7 +79,7 @@ ROOM_TIMEOUT_S = 60.0
 DEFAULT_GAP_MS = {"cpu": 20.0, "cuda": 5.0}
 DEFAULT_ROOMS = 10
 #: The engine's step: CPU, CPU_MATMULS x (CPU_N^2 fp32 matmul + tanh), about 2 ms on one core; GPU, GPU_MATMULS x
-#: (GPU_N^2 bf16 matmul + tanh) then a stream sync, about 1.5 ms on an H100. Plus PY_ITEMS of Python work.
+#: (GPU_N^2 bf16 matmul + tanh) then a stream sync, sized for about 1.5 ms on an H100. Plus PY_ITEMS of Python.
 CPU_N, CPU_MATMULS, GPU_N, GPU_MATMULS, PY_ITEMS = 256, 8, 4096, 8, 1024
 ENGINE_STEP = {
     "cpu": f"{CPU_MATMULS} x ({CPU_N}^2 fp32 matmul + tanh) on the torch CPU threads, {PY_ITEMS} items of Python",
