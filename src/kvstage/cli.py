@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
+
+if TYPE_CHECKING:
+    from kvstage.bench.config import BenchConfig
 
 log = logging.getLogger("kvstage.cli")
 
@@ -165,8 +168,12 @@ def bench(
     tokens: int = typer.Option(4096, "--tokens", min=1, help="Tokens per request."),
     chunk_tokens: int = typer.Option(512, "--chunk-tokens", min=1, help="Staging chunk grid (a page multiple)."),
     concurrency: int = typer.Option(1, "--concurrency", min=1, help="Requests in flight at once."),
-    repeats: int = typer.Option(
-        3, "--repeats", min=1, help="Timed rounds per path (best and median reported; staged/raw paired per round)."
+    repeats: int | None = typer.Option(
+        None,
+        "--repeats",
+        min=1,
+        help="Timed rounds per path (best and median reported; staged/raw paired per round); default 3. With "
+        "--handoff: timed rooms per latency scenario, default 10.",
     ),
     device: str = typer.Option(
         "cpu",
@@ -190,8 +197,24 @@ def bench(
     ),
     as_json: bool = typer.Option(False, "--json", help="Print the results as JSON on the last stdout line."),
     plot_file: str | None = typer.Option(None, "--plot", help="Write a bar chart (PNG) to this file."),
+    handoff: bool = typer.Option(
+        False,
+        "--handoff",
+        help="Instead of the throughput paths: one request's last-chunk handoff latency, CPU per chunk and the "
+        "decode engine's step time while transfers run (docs/benchmarks.md).",
+    ),
+    gap_ms: float | None = typer.Option(
+        None, "--gap-ms", help="--handoff: ms between chunk releases (default 20 on cpu, 5 on cuda)."
+    ),
+    chunk_rate_hz: float = typer.Option(
+        500.0, "--chunk-rate-hz", help="--handoff: chunks released per second while rooms stream past the engine."
+    ),
+    stream_s: float = typer.Option(
+        2.0, "--stream-s", help="--handoff: seconds of engine steps alone, and of chunks streamed past it."
+    ),
 ) -> None:
-    """Measure staged (through the agents) vs direct per-slice vs raw bulk: same backend, same bytes, one run."""
+    """Measure staged (through the agents) vs direct per-slice vs raw bulk: same backend, same bytes, one run.
+    With --handoff, measure what a user feels instead: latency, CPU per chunk and engine interference."""
     from pathlib import Path
 
     from rich.console import Console
@@ -200,6 +223,8 @@ def bench(
     from kvstage.bench.report import json_line, plot, print_table, run_with_progress
     from kvstage.errors import ConfigError
 
+    if handoff and (slice_rounds is not None or plot_file):
+        raise typer.BadParameter("--handoff takes neither --slice-rounds nor --plot")
     try:
         config = BenchConfig(
             backend,
@@ -210,7 +235,7 @@ def bench(
             tokens,
             chunk_tokens,
             concurrency,
-            repeats,
+            repeats or (10 if handoff else 3),
             device=device,
             ring_chunks=ring_chunks,
             writes_per_peer=writes_per_peer,
@@ -218,6 +243,9 @@ def bench(
         )
     except ConfigError as exc:
         raise typer.BadParameter(str(exc)) from exc
+    if handoff:
+        _bench_handoff(config, gap_ms, chunk_rate_hz, stream_s, as_json)
+        return
     try:
         result = run_with_progress(config)
     except BenchError as exc:
@@ -228,6 +256,31 @@ def bench(
         plot(result, Path(plot_file))
     if as_json:
         typer.echo(json_line(result))
+
+
+def _bench_handoff(
+    config: BenchConfig, gap_ms: float | None, chunk_rate_hz: float, stream_s: float, as_json: bool
+) -> None:
+    """`kvstage bench --handoff`: the latency scenario (bench/handoff.py) on `config`."""
+    from rich.console import Console
+
+    from kvstage.bench.handoff import DEFAULT_GAP_MS, HandoffConfig, HandoffError
+    from kvstage.bench.report import handoff_json_line, print_handoff_table, run_handoff_with_progress
+    from kvstage.errors import ConfigError
+
+    try:
+        gap = DEFAULT_GAP_MS[config.device] if gap_ms is None else gap_ms
+        handoff = HandoffConfig(config, gap / 1e3, chunk_rate_hz, stream_s)
+    except ConfigError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    try:
+        result = run_handoff_with_progress(handoff)
+    except HandoffError as exc:
+        typer.echo(f"bench failed: {exc}", err=True)
+        raise typer.Exit(code=1) from exc
+    print_handoff_table(result, Console())
+    if as_json:
+        typer.echo(handoff_json_line(result))
 
 
 def _start_service(service: str, endpoint: str, secret_file: str | None, insecure: bool) -> bytes | None:

@@ -2,7 +2,8 @@
 write, on one backend, with the same bytes, in one run.
 
 `config` (what to run), `worker` (one rank per process), `runner` (the sequence, verification and timing) and
-`report` (progress, table, JSON, plot). Called by the CLI; docs/benchmarks.md explains the numbers.
+`report` (progress, table, JSON, plot); `handoff` (with `handoff_stats`) is `--handoff`, the latency scenario.
+Called by the CLI; docs/benchmarks.md explains the numbers.
 """
 
 from kvstage.bench.config import MODEL_PRESETS, BenchConfig, parse_model

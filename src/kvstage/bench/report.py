@@ -2,23 +2,29 @@
 
 Owns presentation only: `run_with_progress` (rich progress on stderr, so stdout stays parseable), `print_table`,
 `json_line` (the `--json` object, one line, always the last line of stdout) and `plot` (matplotlib, imported
-only when `--plot` is given). Called by the CLI.
+only when `--plot` is given); and the same for `--handoff` (bench/handoff.py): `run_handoff_with_progress`,
+`print_handoff_table`, `handoff_json_line`. Called by the CLI.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from kvstage.bench.config import BenchConfig
+from kvstage.bench.handoff import HandoffConfig, HandoffResult, run_handoff
+from kvstage.bench.handoff import total_steps as handoff_steps
 from kvstage.bench.runner import BenchResult, run_bench, total_steps
 from kvstage.bench.stages import LANE_SEGMENTS, SCATTER_SEGMENTS
 
 SEGMENT_ORDER = (*(name for name, _, _ in LANE_SEGMENTS + SCATTER_SEGMENTS), "latency", "period")
+T = TypeVar("T")
 LABELS = {"staged": "staged (agents)", "slice": "direct per-slice", "raw": "raw bulk"}
 
 
@@ -31,6 +37,15 @@ def label(result: BenchResult, path: str) -> str:
 
 def run_with_progress(config: BenchConfig) -> BenchResult:
     """`run_bench` with a live progress bar on stderr (silent when stderr is not a terminal)."""
+    return _with_progress(lambda step: run_bench(config, step), total_steps(config))
+
+
+def run_handoff_with_progress(config: HandoffConfig) -> HandoffResult:
+    """`run_handoff` with a live progress bar on stderr (silent when stderr is not a terminal)."""
+    return _with_progress(lambda step: run_handoff(config, step), handoff_steps(config))
+
+
+def _with_progress(run: Callable[[Callable[[str], None]], T], total: int) -> T:
     with Progress(
         TextColumn("[bold]kvstage bench[/]"),
         BarColumn(),
@@ -39,7 +54,7 @@ def run_with_progress(config: BenchConfig) -> BenchResult:
         console=Console(stderr=True),
         transient=True,
     ) as progress:
-        task = progress.add_task("starting", total=total_steps(config))
+        task = progress.add_task("starting", total=total)
         first = True
 
         def step(description: str) -> None:
@@ -47,8 +62,8 @@ def run_with_progress(config: BenchConfig) -> BenchResult:
             progress.update(task, description=description, advance=0 if first else 1)
             first = False
 
-        result = run_bench(config, step)
-        progress.update(task, completed=total_steps(config))
+        result = run(step)
+        progress.update(task, completed=total)
     return result
 
 
@@ -125,3 +140,38 @@ def plot(result: BenchResult, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def print_handoff_table(result: HandoffResult, console: Console) -> None:
+    """The handoff scenario's latencies, CPU per chunk and engine interference (docs/benchmarks.md)."""
+    s, b = result.summary(), result.config.bench
+    title = (
+        f"handoff, {b.backend} ({b.device}): {b.model}, prefill TP {b.prefill_tp} -> decode TP {b.decode_tp}, "
+        f"{b.tokens} tokens in {b.chunks_per_request} chunks of {b.chunk_tokens}, page {b.page_size}, "
+        f"{b.repeats} rooms, {s['gap_ms']:g} ms between chunks"
+    )
+    table = Table(title=title)
+    for name in ("measure", "median", "p95 / p99", "note"):
+        table.add_column(name, justify="left" if name in ("measure", "note") else "right")
+    for key, name in (("handoff_isolated_ms", "isolated last chunk"), ("handoff_tail4_ms", "tail with 4 ready")):
+        table.add_row(name, f"{s[key]['median']:.3f} ms", f"{s[key]['p95']:.3f} ms", "last kv_ready -> outcome")
+    cpu, i = s["cpu_per_chunk_ms"], s["interference"]
+    table.add_row("CPU per chunk, busiest rank", f"{cpu['busiest']:.3f} ms", "", cpu["busiest_rank"])
+    table.add_row("engine step, idle", f"{i['idle_p50_ms']:.3f} ms", f"{i['idle_p99_ms']:.3f} ms",
+                  f"{i['idle_steps']} steps")  # fmt: skip
+    table.add_row("engine step, streaming", f"{i['busy_p50_ms']:.3f} ms", f"{i['busy_p99_ms']:.3f} ms",
+                  f"{i['busy_steps']} steps, {i['chunk_rate_hz']:g} chunks/s")  # fmt: skip
+    console.print(table)
+    console.print("CPU per chunk (ms), all threads but the main one: "
+                  + ", ".join(f"{rank} {ms:.3f}" for rank, ms in cpu["per_rank"].items()))  # fmt: skip
+    console.print(
+        f"engine step p99 streaming / idle = {i['p99_ratio']:.2f}x; streamed {i['stream_rooms']} rooms, one chunk "
+        f"every {1e3 / i['chunk_rate_hz']:g} ms ({i['chunk_rate_hz']:g} Hz), landed at {i['landed_rate_hz']:.0f} Hz"
+    )
+    console.print(f"engine step: {i['engine_step']}")
+    for check in result.checks:
+        console.print(f"verified: {check}")
+
+
+def handoff_json_line(result: HandoffResult) -> str:
+    return json.dumps(result.summary(), sort_keys=True)
