@@ -90,10 +90,12 @@ RECONNECTING = "the connection to the decode peer failed and is being made again
 
 @dataclass(frozen=True, slots=True)
 class _RoomSlots:
-    """An active room's pages (as the latest KVReady gave them) and their slots, looked up once."""
+    """An active room's pages (as the latest KVReady gave them) and their slots, looked up once; `ready` is the
+    latest KVReady's end."""
 
     pages: tuple[int, ...]
     slots: RequestSlots
+    ready: int
 
     def of(self, action: WriteRegion, page_size: int) -> torch.Tensor | None:
         """The chunk's slots (a view), or None when the write's pages are not the ones looked up."""
@@ -114,6 +116,12 @@ class _Write:
     started: float = 0.0
     #: the gather's CUDA event (staging on the GPU): the write is ordered after it on the device
     after: torch.cuda.Event | None = None
+
+
+def _same_start(a: tuple[int, ...], b: tuple[int, ...]) -> bool:
+    """Whether the shorter of two page lists begins the longer (a request's pages only grow)."""
+    n = min(len(a), len(b))
+    return a[:n] == b[:n]
 
 
 #: A write ready to go and waiting for its peer's window: the write, its (src, dst, length) runs, its source.
@@ -219,16 +227,23 @@ class PrefillAgent(BaseAgent):
         return actions
 
     def _look_up(self, event: KVReady) -> None:
+        """The slots of every token the event's pages hold, looked up (and the pages checked) once per room and
+        reused by later KVReady events with the same pages; pages not all usable yet: only tokens [0, end_tokens)."""
         known = self._slots.get(event.room)
-        if known is not None and event.end_tokens < known.slots.end:
+        if known is not None and event.end_tokens < known.ready:
             return  # an older KVReady: the endpoint keeps the newer pages too
-        try:
-            slots = self.pool.request_slots(event.pages, 0, event.end_tokens)
-        except InvalidRequest as exc:  # the gathers look up per chunk and fail the room with the reason
-            log.debug("%s: room %d: no slots looked up at kv_ready: %s", self.peer_id, event.room, exc)
-            self._slots.pop(event.room, None)
+        if known is not None and event.end_tokens <= known.slots.end and _same_start(known.pages, event.pages):
+            self._slots[event.room] = replace(known, ready=event.end_tokens)  # covered by the earlier lookup
             return
-        self._slots[event.room] = _RoomSlots(event.pages, slots)
+        whole = len(event.pages) * self.pool.layout.page_size
+        for end in dict.fromkeys((max(whole, event.end_tokens), event.end_tokens)):
+            try:
+                slots = self.pool.request_slots(event.pages, 0, end)
+                self._slots[event.room] = _RoomSlots(event.pages, slots, event.end_tokens)
+                return
+            except InvalidRequest as exc:  # the gathers look up per chunk and fail the room with the reason
+                log.debug("%s: room %d: no slots looked up at kv_ready: %s", self.peer_id, event.room, exc)
+        self._slots.pop(event.room, None)
 
     def _execute(self, action: Action) -> None:
         match action:
