@@ -10,7 +10,10 @@
 # ncu_scatter, Nsight Compute on one launch each of a copy kernel, the scatter and the gather: the report's raw
 # metrics in $OUT/ncu_raw.csv, the key ones in the log; sharing, what N processes on one GPU cost each small
 # operation; bench_p1d1 and bench_chunk2048, the bench with 2 processes, and with 4x fewer, 4x larger chunks;
-# step_time, the vLLM connector's host time per engine step, benchmarks/connector_step_time.py).
+# step_time, the vLLM connector's host time per engine step, benchmarks/connector_step_time.py; tests3, every `gpu`
+# test three times in a row; handoff_p2d1, handoff_p4d2, handoff_p4d2_c2048, the handoff scenario side by side with
+# the runtime of a baseline tree whose src lies in .base/ (`git archive REF src | tar -x -C .base`, its commit in
+# .base/COMMIT; carried like .whl/), 5 invocations each; HANDOFF_RUNS overrides the count).
 set -u -o pipefail
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -40,14 +43,22 @@ BENCH_ARGS="--device cuda --model llama3-8b --prefill-tp 4 --decode-tp 2 --token
 BENCH="python3 -m kvstage bench --backend cuda_ipc $BENCH_ARGS"
 NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
 NCU_RUN="$NCU --set full --clock-control none --profile-from-start off --kernel-name 'regex:_copy_kernel|_stream_copy'"
+GPU_TESTS="tests/transport/test_cuda_ipc.py tests/transport/test_cuda_ipc_late_copies.py tests/transport/test_nixl_vram.py
+    tests/runtime/test_gpu_agents.py tests/dataplane/test_kernels_gpu.py tests/integrations/test_vllm_worker_gpu.py
+    tests/dataplane/test_dataplane_roundtrip.py tests/runtime/test_agents.py"
+HANDOFF="python3 benchmarks/handoff_ab.py --baseline-src .base/src --runs ${HANDOFF_RUNS:-5}"
+HANDOFF_ARGS="--backend cuda_ipc --device cuda --model llama3-8b --tokens 4096 --page-size 16"
 STEPS=("$@")
 [ ${#STEPS[@]} -eq 0 ] && STEPS=(tests gs_device gs_call bench)
 for STEP in "${STEPS[@]}"; do
     case $STEP in
-    tests) step tests 270 python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts="" --timeout 120 \
-        tests/transport/test_cuda_ipc.py tests/transport/test_cuda_ipc_late_copies.py tests/transport/test_nixl_vram.py \
-        tests/runtime/test_gpu_agents.py tests/dataplane/test_kernels_gpu.py tests/integrations/test_vllm_worker_gpu.py \
-        tests/dataplane/test_dataplane_roundtrip.py tests/runtime/test_agents.py ;;
+    tests) step tests 270 python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts="" --timeout 120 $GPU_TESTS ;;
+    tests3) step tests3 420 bash -c 'for i in 1 2 3; do echo "== run $i"; python3 -m pytest -q -m gpu \
+        -p no:cacheprovider -o addopts="" --timeout 120 '"$GPU_TESTS"' || exit 1; done' ;;
+    handoff_p2d1) step handoff_p2d1 540 $HANDOFF -- $HANDOFF_ARGS --prefill-tp 2 --decode-tp 1 ;;
+    handoff_p4d2) step handoff_p4d2 540 $HANDOFF -- $HANDOFF_ARGS --prefill-tp 4 --decode-tp 2 ;;
+    handoff_p4d2_c2048) step handoff_p4d2_c2048 540 $HANDOFF -- $HANDOFF_ARGS --prefill-tp 4 --decode-tp 2 \
+        --chunk-tokens 2048 ;;
     step_time) step step_time 240 python3 benchmarks/connector_step_time.py --runs 7 ;;
     gs_device) step gs_device 100 $GS --runs 7 --repeats 10 --batch 10 ;;
     gs_call) step gs_call 70 $GS --runs 7 --repeats 20 ;;

@@ -61,6 +61,12 @@ METRICS: dict[str, Callable[[dict[str, Any]], float]] = {
 def parse_args() -> tuple[argparse.Namespace, dict[str, Any]]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--baseline", default="75bdf85", help="git ref whose runtime is the baseline")
+    parser.add_argument(
+        "--baseline-src",
+        type=Path,
+        default=None,
+        help="the baseline's src folder instead of a git ref (a checkout without git history)",
+    )
     parser.add_argument("--runs", type=int, default=5, help="invocations of each side, alternating")
     parser.add_argument("--timeout-s", type=float, default=900.0, help="deadline of one invocation")
     parser.add_argument("scenario", nargs=argparse.REMAINDER, help="-- then `kvstage bench --handoff` flags")
@@ -98,6 +104,23 @@ def scenario_spec(argv: list[str]) -> dict[str, Any]:
 
 def git(*args: str) -> str:
     return subprocess.run(["git", "-C", str(ROOT), *args], check=True, capture_output=True, text=True).stdout.strip()
+
+
+def commit_of(tree: Path) -> str:
+    """The checked-out commit of `tree` (its git HEAD, or what a `COMMIT` file beside its src says; else "unknown")."""
+    head = subprocess.run(["git", "-C", str(tree), "rev-parse", "HEAD"], capture_output=True, text=True, check=False)
+    if head.returncode == 0:
+        return head.stdout.strip()
+    marker = tree / "COMMIT"
+    return marker.read_text().strip() if marker.is_file() else "unknown"
+
+
+def copy_baseline(src: Path, where: Path) -> str:
+    """A copy of the baseline tree whose src is `src` at `where`, with this tree's scenario over its bench package."""
+    shutil.copytree(src, where / "src")
+    for name in SCENARIO:
+        shutil.copyfile(ROOT / "src" / "kvstage" / "bench" / name, where / "src" / "kvstage" / "bench" / name)
+    return commit_of(src.parent)
 
 
 def add_baseline(ref: str, where: Path) -> str:
@@ -150,19 +173,24 @@ def report(rows: dict[str, dict[str, Any]], header: str) -> None:
 
 def main() -> None:
     args, spec = parse_args()
-    current_commit = git("rev-parse", "HEAD") + ("+changes" if git("status", "--porcelain", "src") else "")
+    current_commit = commit_of(ROOT)
+    if current_commit != "unknown" and (ROOT / ".git").exists() and git("status", "--porcelain", "src"):
+        current_commit += "+changes"
     tmp = Path(tempfile.mkdtemp(prefix="kvstage-handoff-ab-"))
     worktree = tmp / "baseline"
     runs: dict[str, list[dict[str, Any]]] = {"baseline": [], "current": []}
     try:
-        baseline_commit = add_baseline(args.baseline, worktree)
+        if args.baseline_src is None:
+            baseline_commit = add_baseline(args.baseline, worktree)
+        else:
+            baseline_commit = copy_baseline(args.baseline_src.resolve(), worktree)
         sides = {"baseline": worktree / "src", "current": ROOT / "src"}
         for i in range(args.runs):
             for side, src in sides.items():
                 print(f"run {i + 1}/{args.runs}: {side}", file=sys.stderr, flush=True)
                 runs[side].append(invoke(src, spec, args.timeout_s))
     finally:
-        if worktree.exists():
+        if worktree.exists() and args.baseline_src is None:
             git("worktree", "remove", "--force", str(worktree))
         shutil.rmtree(tmp, ignore_errors=True)
     rows = compare(runs["baseline"], runs["current"])
