@@ -134,7 +134,9 @@ def add_baseline(ref: str, where: Path) -> str:
 
 def invoke(src: Path, spec: dict[str, Any], timeout_s: float) -> dict[str, Any]:
     """One invocation of the scenario with `kvstage` from `src`: its summary, or SystemExit with its error."""
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env = dict(os.environ)  # a kvstage on PYTHONPATH is passed over: the child puts `src` first on its path
+    env["PYTHONPATH"] = os.pathsep.join(p for p in env.get("PYTHONPATH", "").split(os.pathsep)
+                                        if p and not (Path(p) / "kvstage").is_dir())  # fmt: skip
     proc = subprocess.run(
         [sys.executable, "-c", CHILD, str(src), json.dumps(spec)],
         capture_output=True, text=True, timeout=timeout_s, check=False, env=env, cwd=src.parent,

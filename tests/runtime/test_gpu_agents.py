@@ -142,6 +142,7 @@ def test_a_chunks_ring_space_is_freed_only_once_its_scatter_has_landed(cluster):
         gate.hold(reader.device_work.stream)  # every scatter queues behind the shut gate
         sides = _start_room(prefill, decode, 1, 128)
         _until(lambda: reader._landing, "a scatter is queued behind the gate")
+        _until(lambda: reader.snapshot().ring_live_bytes > 0, "the snapshot (refreshed on a timer) shows it")
         for _ in range(20):
             assert reader.snapshot().ring_live_bytes > 0 and not reader.poll(), "ring freed before the scatter landed"
             time.sleep(0.01)

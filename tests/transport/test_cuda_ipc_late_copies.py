@@ -1,6 +1,7 @@
 """The cuda_ipc backend's hard bound on late copies: a copy the GPU reaches after `max_write_s` stores nothing, so
-it never lands in ring space decode has granted again, and the lease is checked once the gather has landed, not
-when the write is handed over. GPU only: a `StreamGate` holds the writer's stream (or the gather's) until the host
+it never lands in ring space decode has granted again, and a write queued behind a gather the GPU finishes only
+after the writer's lease stores nothing (the lease is the copy's device deadline), reported as "lease expired"
+since no byte moved. GPU only: a `StreamGate` holds the writer's stream (or the gather's) until the host
 clock has passed the bound, so the copy reaches the device late on any machine."""
 
 from __future__ import annotations
@@ -41,7 +42,10 @@ def test_a_copy_the_gpu_reaches_after_max_write_s_never_lands_in_regranted_ring_
         assert not completion.ok and completion.reason.startswith(LATE_ON_DEVICE), completion
 
 
-def test_the_lease_is_checked_once_the_gather_has_landed_not_when_the_write_is_handed_over() -> None:
+def test_a_write_queued_behind_a_gather_that_lands_after_the_lease_stores_nothing_and_reports_the_lease() -> None:
+    """The write is queued at once behind the gather, on the device (no host wait between them), under the lease as
+    its device deadline: the device reaches it only once the gather has landed, past the lease, and stores
+    nothing."""
     with create_transport(TransportConfig(backend="cuda_ipc")) as reader, create_transport(BOUNDED) as writer:
         ring = reader.allocate(NBYTES, device="cuda")
         remote = writer.import_remote(reader.export(ring))
@@ -55,11 +59,24 @@ def test_the_lease_is_checked_once_the_gather_has_landed_not_when_the_write_is_h
                 gathered = torch.cuda.Event()
                 gathered.record(side)
             write = writer.write_batch(src, remote, [(0, 0, NBYTES)], gathered, not_after=time.monotonic() + 0.1)
+            assert writer.ops_issued == 1, "queued at the call, behind the gather"
             time.sleep(0.2)
         [completion] = wait_for(writer, [write], timeout_s=30).values()
         assert gathered.query()
         assert int(ring.tensor.count_nonzero()) == 0, "a write past its lease moved bytes"
         assert not completion.ok and completion.reason == LEASE_EXPIRED, completion
+
+
+def test_a_write_the_device_reaches_in_time_lands_although_its_lease_ends_before_its_completion_is_polled() -> None:
+    with create_transport(TransportConfig(backend="cuda_ipc")) as reader, create_transport(BOUNDED) as writer:
+        ring = reader.allocate(NBYTES, device="cuda")
+        remote = writer.import_remote(reader.export(ring))
+        src = writer.register(torch.full((NBYTES,), 3, dtype=torch.uint8, device="cuda"))
+        write = writer.write_batch(src, remote, [(0, 0, NBYTES)], not_after=time.monotonic() + 0.05)
+        time.sleep(0.1)
+        [completion] = wait_for(writer, [write], timeout_s=30).values()
+        assert completion.ok, completion
+        assert bool((ring.tensor == 3).all())
 
 
 @pytest.mark.parametrize("shift", [0, 1, 2, 4, 8], ids=lambda s: f"offset-{s}")

@@ -132,14 +132,16 @@ class DeviceClock:
             log.warning("%s: every clock reading took over 2 ms; keeping the mapping of %.1f s ago", self._device, age)
 
 
-def bounded_copy(dst: torch.Tensor, src: torch.Tensor, deadline_ns: int, skipped: torch.Tensor) -> None:
+def bounded_copy(dst: torch.Tensor, src: torch.Tensor, deadline_ns: int, skipped: torch.Tensor) -> int:
     """Queue, on the current stream, a copy of the uint8 tensor `src` into `dst` (same length) that stores nothing
-    once the device clock has passed `deadline_ns`; each program that did not copy adds one to `skipped` (int32)."""
+    once the device clock has passed `deadline_ns`; each program that did not copy adds one to `skipped` (int32).
+    Returns how many programs it queued."""
     width = next(w for w in _WIDTHS if _aligned(dst, src, w.itemsize))
     items = src.numel() // width.itemsize
     block = max(PROGRAM_BYTES // width.itemsize, 1)
     grid = (triton.cdiv(items, block),)
     _bounded_copy_kernel[grid](src.view(width), dst.view(width), items, deadline_ns, skipped, BLOCK=block)
+    return int(grid[0])
 
 
 def _aligned(dst: torch.Tensor, src: torch.Tensor, size: int) -> bool:

@@ -52,6 +52,7 @@ import msgspec
 import torch
 
 from kvstage.errors import TransportError, TransportUnavailable
+from kvstage.protocol.reasons import LEASE_EXPIRED
 from kvstage.transport.data.base import (
     Completion,
     DataTransport,
@@ -224,13 +225,16 @@ class _Launch:
 @dataclass(frozen=True, slots=True)
 class _InFlight:
     """A write queued on a stream: its event, operations, the reason if queueing it failed part way, and (bounded
-    copies) the counter slot of the device's count of programs that stored nothing past the deadline."""
+    copies) the counter slot of the device's count of programs that stored nothing past the deadline, how many
+    programs it queued, and whether the deadline was the lease's (else `max_write_s` after the post)."""
 
     transfer_id: int
     event: torch.cuda.Event
     ops: int
     reason: str
     counter: tuple[_Counters, int] | None
+    programs: int = 0
+    lease_bound: bool = False
 
 
 class _Counters:
@@ -406,9 +410,10 @@ class CudaIpcTransport(DataTransport):
         device = source.device if source.is_cuda else target.device
         stream = self._stream(device)
         now = time.monotonic()
-        ends = [t for t in (bound.not_after, None if bound.max_write_s is None else now + bound.max_write_s) if t]
+        cut = None if bound.max_write_s is None else now + bound.max_write_s
+        ends = [t for t in (bound.not_after, cut) if t is not None]
         counter: tuple[_Counters, int] | None = None
-        deadline = 0
+        deadline, programs = 0, [0]
         if ends and source.is_cuda:
             deadline = self._clock(device).deadline_ns(min(ends))
             counters = self._counter_pool(device)
@@ -420,7 +425,7 @@ class CudaIpcTransport(DataTransport):
                 if counter is None:
                     dst.copy_(src, non_blocking=True)
                 else:
-                    self._bounded.bounded_copy(dst, src, deadline, counter[0].device(counter[1]))
+                    programs[0] += self._bounded.bounded_copy(dst, src, deadline, counter[0].device(counter[1]))
             return ""
 
         with torch.cuda.stream(stream):
@@ -433,7 +438,8 @@ class CudaIpcTransport(DataTransport):
                 counter[0].publish(counter[1])
             event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             event.record(stream)
-        return _InFlight(launch.transfer_id, event, len(launch.slices), reason, counter)
+        lease_bound = bound.not_after is not None and (cut is None or bound.not_after <= cut)
+        return _InFlight(launch.transfer_id, event, len(launch.slices), reason, counter, programs[0], lease_bound)
 
     def _counter_pool(self, device: torch.device) -> _Counters:
         index = torch.cuda.current_device() if device.index is None else device.index
@@ -470,7 +476,7 @@ class CudaIpcTransport(DataTransport):
                                        write.ops))  # fmt: skip
                 continue
             if landed:
-                reason = write.reason or _late(_skipped(write), self._bounded.PROGRAM_BYTES)
+                reason = write.reason or _late(write, _skipped(write), self._bounded.PROGRAM_BYTES)
                 done.append(Completion(write.transfer_id, not reason, reason, write.ops))
             else:
                 still.append(write)
@@ -494,9 +500,15 @@ def _skipped(write: _InFlight) -> int:
     return 0 if write.counter is None else write.counter[0].give_back(write.counter[1])
 
 
-def _late(skipped: int, program_bytes: int) -> str:
-    """`LATE_ON_DEVICE` if some program of a write's bounded copies stored nothing, else ""."""
-    return f"{LATE_ON_DEVICE} ({skipped} blocks of {program_bytes} bytes not written)" if skipped else ""
+def _late(write: _InFlight, skipped: int, program_bytes: int) -> str:
+    """ "" if every program of the write's bounded copies stored; `LEASE_EXPIRED` if none did and the deadline was
+    the lease's (the device reached the write only after it, so no byte moved, as for a write refused at its post:
+    it may wait for a renewed lease); else `LATE_ON_DEVICE` (some bytes may have landed)."""
+    if not skipped:
+        return ""
+    if skipped == write.programs and write.lease_bound:
+        return LEASE_EXPIRED
+    return f"{LATE_ON_DEVICE} ({skipped} blocks of {program_bytes} bytes not written)"
 
 
 def _decode_ref(descriptor: RegionDescriptor) -> _IpcRef:
