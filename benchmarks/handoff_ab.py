@@ -161,6 +161,21 @@ def compare(baseline: list[dict[str, Any]], current: list[dict[str, Any]]) -> di
     return out
 
 
+def stages(runs: list[dict[str, Any]]) -> dict[str, float]:
+    """Median over invocations of each stage's offset in the isolated handoff's last chunk (stages every run saw,
+    in the order of those medians; a runtime without the marks of a stage has none)."""
+    seen = [run.get("handoff_isolated_stages_ms", {}) for run in runs]
+    common = set.intersection(*(set(s) for s in seen)) if seen else set()
+    medians = {stage: statistics.median(s[stage] for s in seen) for stage in common}
+    return dict(sorted(medians.items(), key=lambda item: item[1]))
+
+
+def show_stages(sides: dict[str, dict[str, float]]) -> None:
+    print("isolated handoff, the last chunk: ms from its kv_ready to each stage (median over invocations)")
+    for side, offsets in sides.items():
+        print(f"  {side:<9} " + ", ".join(f"{stage} {ms:.3f}" for stage, ms in offsets.items()))
+
+
 def show(s: dict[str, Any]) -> str:
     return f"{s['median']:.3f} [{s['min']:.3f}-{s['max']:.3f}]"
 
@@ -196,14 +211,17 @@ def main() -> None:
             git("worktree", "remove", "--force", str(worktree))
         shutil.rmtree(tmp, ignore_errors=True)
     rows = compare(runs["baseline"], runs["current"])
+    breakdown = {side: stages(side_runs) for side, side_runs in runs.items()}
     b, h = spec["bench"], spec["handoff"]
     report(rows, f"handoff A/B: baseline {args.baseline} ({baseline_commit[:10]}) vs current ({current_commit[:10]}"
            f"{'+changes' if current_commit.endswith('+changes') else ''}), {args.runs} invocations each; "
            f"{b['backend']} {b['device']} {b['model']} P{b['prefill_tp']}->D{b['decode_tp']}, {b['tokens']} tokens, "
            f"chunk {b['chunk_tokens']}, {b['repeats']} rooms, gap {h['gap_s'] * 1e3:g} ms, "
            f"{h['chunk_rate_hz']:g} chunks/s streamed")  # fmt: skip
+    show_stages(breakdown)
     print(json.dumps({"baseline": args.baseline, "baseline_commit": baseline_commit, "current_commit": current_commit,
-                      "runs": args.runs, "scenario": spec, "metrics": rows}, sort_keys=True))  # fmt: skip
+                      "runs": args.runs, "scenario": spec, "metrics": rows, "stages_ms": breakdown},
+                     sort_keys=True))  # fmt: skip
 
 
 if __name__ == "__main__":

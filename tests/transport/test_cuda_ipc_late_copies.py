@@ -31,7 +31,8 @@ def test_a_copy_the_gpu_reaches_after_max_write_s_never_lands_in_regranted_ring_
         src = writer.register(torch.full((NBYTES,), 7, dtype=torch.uint8, device="cuda"))
         with StreamGate() as gate:
             gate.hold(writer._stream(torch.device("cuda")))  # the writer's copy stream, held past max_write_s
-            write = writer.write_batch(src, remote, [(0, 0, NBYTES)], not_after=time.monotonic() + 0.1)
+            # a lease longer than max_write_s: the bound that cuts the copy is max_write_s after its post
+            write = writer.write_batch(src, remote, [(0, 0, NBYTES)], not_after=time.monotonic() + 10 * MAX_WRITE_S)
             time.sleep(MAX_WRITE_S + 0.1)  # decode's bound has passed: it grants the space to another write
             regranted = torch.cuda.Stream()
             with torch.cuda.stream(regranted):

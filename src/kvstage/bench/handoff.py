@@ -4,22 +4,19 @@ Owns the handoff scenario end to end: `HandoffConfig`, the rank processes (one p
 with a KV pool and a runtime agent), the parent's sequence and the arithmetic of `HandoffResult`. After one
 untimed, verified warm-up room it measures, in this order:
 
-1. isolated last-chunk handoff: one room at a time. Decode expects it; prefill attaches it and schedules all of its
-   compute up front (grants come early, as during a forward pass), waits `SETTLE_S`, then calls `kv_ready` for
-   each chunk's end, `gap_s` apart. A sample runs from the last `kv_ready` call (the latest over prefill ranks) to
-   decode's main thread seeing the room's outcome (the latest over decode ranks; it polls every `SPIN_S`);
+1. isolated last-chunk handoff: one room at a time, its compute scheduled up front (grants come early, as during a
+   forward pass), then `kv_ready` for each chunk's end, `gap_s` apart; a sample runs from the last `kv_ready` (the
+   latest over prefill ranks) to decode's main thread seeing the outcome (the latest over decode ranks, polled
+   every `SPIN_S`); the agents' chunk marks say where the last chunk's time went (`stage_offsets_ms`);
 2. tail with 4 ready: the same, but the last `TAIL_CHUNKS` chunks become ready in one `kv_ready`;
-3. CPU per chunk: per rank process, over the timed rooms of (1), the CPU seconds of every thread but the bench's
-   main thread (the process's CPU clock minus that thread's: threads that came and went count, whatever their
-   names), divided by the chunks the rank handled;
-4. engine interference: decode rank 0's main thread plays the engine, running a fixed step (`engine_step`) that
-   also polls the agent and expects rooms, as a scheduler does. Phase A: `stream_s` with no transfer; phase B:
-   while prefill streams rooms back to back, one chunk every 1/`chunk_rate_hz` s.
+3. CPU per chunk: per rank, over the rooms of (1), the CPU seconds of every thread but the bench's main thread,
+   divided by the chunks the rank handled;
+4. engine interference: decode rank 0's main thread runs a fixed step (`engine_step`) that also polls the agent and
+   expects rooms, as a scheduler does: alone for `stream_s`, then while prefill streams rooms at `chunk_rate_hz`.
 
-The rank code uses only the runtime's public API (`AgentConfig`, `DecodeAgent`, `PrefillAgent`, `peer_id`; the
-agents' `start`, `close`, `expect_room`, `attach_room`, `compute_scheduled`, `kv_ready`, `poll`,
-`wait_quiescent`), `KVPool`, `BootstrapServer`, `TransportConfig`, `Timing`, `BenchConfig` and the pure
-bench/handoff_stats.py, so that benchmarks/handoff_ab.py can run these two files against another ref's `kvstage`.
+The rank code uses only the runtime's public API (`AgentConfig`, the agents' engine calls, `trace`, `close`),
+`KVPool`, `BootstrapServer`, `TransportConfig`, `Timing`, `BenchConfig` and the pure bench/handoff_stats.py, so
+that benchmarks/handoff_ab.py can run these two files against another ref's `kvstage`.
 
 Invariants: every wait has a deadline; a failed room is a `HandoffError` with its reason, never a number; decode's
 KV of the warm-up room equals prefill's, head by head (SHA-256); every rank imports the parent's `kvstage`; every
@@ -46,10 +43,12 @@ import kvstage
 from kvstage.bench.config import BenchConfig
 from kvstage.bench.handoff_stats import (
     TAIL_CHUNKS,
+    Mark,
     chunk_ends,
     cpu_per_chunk_ms,
     interference,
     latency_ms,
+    stage_offsets_ms,
     stream_rooms,
     tail_ends,
 )
@@ -62,22 +61,20 @@ from kvstage.transport.bootstrap import BootstrapServer
 from kvstage.transport.data import TransportConfig
 
 PREFILL, DECODE = "P", "D"
+#: Chunk marks each agent keeps (runtime/trace.py): every stage of the timed rooms, whatever the run's size.
+TRACE_MARKS = 1 << 16
 #: The agents' liveness, as in the throughput bench: generous, since a starved 2-core host stalls threads.
 TIMING = Timing(heartbeat_s=0.5, dead_after_s=60.0, retry_initial_s=0.05, retry_max_s=1.0)
-#: Decode's main thread polls its agent this often while a timed room lands (the clock's resolution).
-SPIN_S = 50e-6
-#: Prefill's outcomes only gate the next room: it polls less often, leaving the CPU to the transfer.
-PREFILL_POLL_S = 0.01
-#: Decode ranks other than the engine's poll this often while rooms stream.
-STREAM_POLL_S = 0.001
+#: How often decode's main thread polls while a timed room lands (the clock's resolution); prefill's (its outcomes
+#: only gate the next room); and decode ranks other than the engine's while rooms stream.
+SPIN_S, PREFILL_POLL_S, STREAM_POLL_S = 50e-6, 0.01, 0.001
 #: Between announcing a room (attach, compute scheduled) and its first chunk's `kv_ready`: the grants come in.
 SETTLE_S = 0.1
 #: Rooms the engine keeps expected ahead of the last one landed while rooms stream.
 EXPECT_AHEAD = 4
 ROOM_TIMEOUT_S = 60.0
 #: Default gap between chunk releases, long enough that a chunk of the default size has landed before the next.
-DEFAULT_GAP_MS = {"cpu": 20.0, "cuda": 5.0}
-DEFAULT_ROOMS = 10
+DEFAULT_GAP_MS, DEFAULT_ROOMS = {"cpu": 20.0, "cuda": 5.0}, 10
 #: The engine's step: CPU, CPU_MATMULS x (CPU_N^2 fp32 matmul + tanh), about 2 ms on one core; GPU, GPU_MATMULS x
 #: (GPU_N^2 bf16 matmul + tanh) then a stream sync, sized for about 1.5 ms on an H100. Plus PY_ITEMS of Python.
 CPU_N, CPU_MATMULS, GPU_N, GPU_MATMULS, PY_ITEMS = 256, 8, 4096, 8, 1024
@@ -160,9 +157,7 @@ def head_digests(config: BenchConfig, pool: KVPool, heads: range, pages: tuple[i
 
 
 def wait_until(at: float) -> None:
-    delay = at - time.monotonic()
-    if delay > 0:
-        time.sleep(delay)
+    time.sleep(max(0.0, at - time.monotonic()))
 
 
 def engine_step(device: str) -> Callable[[], None]:
@@ -205,7 +200,7 @@ class _Rank:
         return AgentConfig(
             instance=self.role, rank=self.rank, tp_size=self.tp, layout=self.bench.layout, bootstrap=self.bootstrap,
             transport=TransportConfig(backend=self.bench.backend), timing=TIMING,
-            chunk_tokens=self.bench.chunk_tokens, writes_per_peer=self.bench.writes_per_peer,
+            chunk_tokens=self.bench.chunk_tokens, writes_per_peer=self.bench.writes_per_peer, trace_chunks=TRACE_MARKS,
         )  # fmt: skip
 
     def cpu(self) -> tuple[float, float]:
@@ -237,6 +232,9 @@ class _Rank:
     def info(self) -> dict[str, Any]:
         return {"kvstage": os.path.abspath(kvstage.__file__)}
 
+    def marks(self) -> list[Mark]:  # the agent's chunk marks (and the bench's own) since the last call
+        return [(m.room, m.chunk, m.stage, m.at) for m in self.agent.trace.drain()]
+
     def close(self) -> None:
         self.agent.close()
 
@@ -260,7 +258,9 @@ class DecodeRank(_Rank):
 
     def wait(self, room: int, deadline: float) -> float:
         """Spin (every SPIN_S) until `room` lands; the moment this thread saw it."""
-        return self.wait_rooms({room}, SPIN_S, deadline)
+        seen = self.wait_rooms({room}, SPIN_S, deadline)
+        self.agent.trace.mark(room, self.bench.chunks_per_request - 1, "seen")
+        return seen
 
     def zero(self) -> None:
         byte_view(self.pool).index_fill_(2, self.pool.slot_indices(self.pages, 0, self.bench.tokens), 0)
@@ -327,6 +327,7 @@ class PrefillRank(_Rank):
             wait_until(at)
             last = time.monotonic()
             self.prefill_agent.kv_ready(room, end, self.pages)
+            self.agent.trace.mark(room, (end - 1) // self.bench.chunk_tokens, "kv_ready")
         self.wait_rooms({room}, PREFILL_POLL_S, deadline)
         self.quiesce(deadline)
         return last
@@ -351,8 +352,8 @@ class PrefillRank(_Rank):
 
 
 COMMANDS = {
-    DECODE: frozenset({"cpu", "expect", "wait", "zero", "digests", "engine"}),
-    PREFILL: frozenset({"cpu", "announce", "release", "stream"}),
+    DECODE: frozenset({"cpu", "expect", "wait", "zero", "digests", "engine", "marks"}),
+    PREFILL: frozenset({"cpu", "announce", "release", "stream", "marks"}),
 }
 
 
@@ -523,9 +524,9 @@ class HandoffResult:
     cpu_s: dict[str, float]
     idle_steps_s: tuple[float, ...]
     busy_steps_s: tuple[float, ...]
-    #: phase B: from its first chunk's release to its last room landing on decode rank 0
-    stream_span_s: float
+    stream_span_s: float  #: phase B: from its first chunk's release to its last room landing on decode rank 0
     checks: tuple[str, ...]
+    isolated_stages_ms: dict[str, float]  #: the isolated rooms' last chunk, by stage (`stage_offsets_ms`)
 
     def summary(self) -> dict[str, Any]:
         """The `--json` object."""
@@ -536,6 +537,7 @@ class HandoffResult:
             "scenario": "handoff",
             "handoff_isolated_ms": latency_ms(self.isolated_s),
             "handoff_tail4_ms": latency_ms(self.tail_s),
+            "handoff_isolated_stages_ms": self.isolated_stages_ms,
             "cpu_per_chunk_ms": cpu_per_chunk_ms(self.cpu_s, chunks),
             "interference": interference(self.idle_steps_s, self.busy_steps_s) | {
                 "chunk_rate_hz": c.chunk_rate_hz, "stream_rooms": c.stream_rooms, "stream_chunks": streamed,
@@ -572,12 +574,14 @@ def run_handoff(config: HandoffConfig, step: Callable[[str], None] | None = None
         cluster.each(cluster.decode, "zero")
         cluster.handoff(ends)
         checks = [cluster.verify()]
+        cluster.each(cluster.ranks, "marks")  # the warm-up room's are dropped
         before = cluster.cpu()
         isolated = []
         for i in range(b.repeats):
             announce(f"isolated handoff: room {i + 1}/{b.repeats}")
             isolated.append(cluster.handoff(ends))
         after = cluster.cpu()
+        stages = stage_offsets_ms([m for ms in cluster.each(cluster.ranks, "marks") for m in ms], len(ends))
         tail = []
         for i in range(b.repeats):
             announce(f"tail with {TAIL_CHUNKS} ready: room {i + 1}/{b.repeats}")
@@ -592,4 +596,5 @@ def run_handoff(config: HandoffConfig, step: Callable[[str], None] | None = None
         server.close()
     names = [f"prefill {r}" for r in range(b.prefill_tp)] + [f"decode {r}" for r in range(b.decode_tp)]
     cpu = {name: (a[0] - z[0]) - (a[1] - z[1]) for name, z, a in zip(names, before, after, strict=True)}
-    return HandoffResult(config, tuple(isolated), tuple(tail), cpu, tuple(idle), tuple(busy), span, tuple(checks))
+    return HandoffResult(config, tuple(isolated), tuple(tail), cpu, tuple(idle), tuple(busy), span, tuple(checks),
+                         stages)  # fmt: skip

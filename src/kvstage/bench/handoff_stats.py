@@ -75,3 +75,27 @@ def interference(idle_s: Sequence[float], busy_s: Sequence[float]) -> dict[str, 
         "idle_steps": len(idle_s),
         "busy_steps": len(busy_s),
     }
+
+
+#: One chunk mark of a rank: (room, chunk, stage, `time.monotonic()`).
+Mark = tuple[int, int, str, float]
+
+
+def stage_offsets_ms(marks: Sequence[Mark], chunks: int) -> dict[str, float]:
+    """Where a room's last chunk spends its handoff: for each stage the last chunk passes, the median over rooms
+    of milliseconds from its "kv_ready" (the latest over prefill ranks) to the stage (the latest over ranks and
+    lanes, the critical path), in the order of those medians. Rooms without both "kv_ready" and "seen" are left
+    out."""
+    last = chunks - 1
+    latest: dict[int, dict[str, float]] = {}
+    for room, chunk, stage, at in marks:
+        if chunk == last:
+            stages = latest.setdefault(room, {})
+            stages[stage] = max(stages.get(stage, at), at)
+    offsets: dict[str, list[float]] = {}
+    for stages in latest.values():
+        if "kv_ready" in stages and "seen" in stages:
+            for stage, at in stages.items():
+                offsets.setdefault(stage, []).append((at - stages["kv_ready"]) * 1e3)
+    medians = {stage: statistics.median(values) for stage, values in offsets.items()}
+    return dict(sorted(medians.items(), key=lambda item: item[1]))
