@@ -126,7 +126,7 @@ _WAKE = object()  # a write completed on a transport's own thread: the turn poll
 
 
 class BaseAgent(PeerLinks):
-    """Shared machinery: queue, reactor, control channel, resolver, bootstrap record, outcomes, metrics."""
+    """Shared machinery: mailbox, reactor, control channel, resolver, bootstrap record, outcomes, metrics."""
 
     def __init__(self, config: AgentConfig, kv: KVStore) -> None:
         """`kv`: this rank's KV, a `KVPool` or the engine's own tensors (`EngineKV`)."""
@@ -211,10 +211,10 @@ class BaseAgent(PeerLinks):
         self._mailbox.put(_STOP)
         self._thread.join(10)
         self.resolver.close()  # withdraws this rank's record
-        if not self._thread.is_alive():  # else the reactor still owns the sockets; they go with the process
+        if not self._thread.is_alive():  # else the reactor still owns the sockets and the eventfd; they go with it
             self.channel.close()
+            self._mailbox.close()
         self.transport.close()
-        self._mailbox.close()
 
     def __enter__(self) -> BaseAgent:
         return self.start()

@@ -62,6 +62,8 @@ class Mailbox:
             self.wake()
 
     def wake(self) -> None:
+        if self._fd < 0:  # closed: the reactor has ended, nothing waits for the post
+            return
         try:
             os.eventfd_write(self._fd, 1)
         except BlockingIOError:  # the counter is full, so the reactor is already woken
@@ -89,7 +91,10 @@ class Mailbox:
             return
 
     def close(self) -> None:
-        os.close(self._fd)
+        """Close the eventfd (once the reactor has ended); later posts only append."""
+        fd, self._fd = self._fd, -1
+        if fd >= 0:
+            os.close(fd)
 
 
 class Readable(Protocol):
