@@ -124,7 +124,8 @@ class RoomOutcome:
 
 @dataclass(frozen=True, slots=True)
 class AgentSnapshot:
-    """Read-only view refreshed by the reactor after every turn; safe to read from any thread."""
+    """Read-only view the reactor refreshes every `REFRESH_S` (10 ms, runtime/agent.py); safe to read from any
+    thread."""
 
     open_rooms: int = 0
     quiescent: bool = True

@@ -8,7 +8,7 @@ turns transport errors into failed completions itself, and an error that escapes
 becomes a failed completion too, so a worker thread never dies because one transfer failed. `stop` lets queued
 jobs finish, then joins the threads.
 
-Used by every backend: `local` (copies into shared memory), `mooncake` (whose Python binding only offers blocking
+Used by the backends whose native calls block: `mooncake` (whose Python binding only offers blocking
 status checks for batches) and `nixl` (whose UCX backend copies a same-host write inside the posting call).
 """
 
