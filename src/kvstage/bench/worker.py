@@ -40,7 +40,7 @@ from kvstage.bench.config import BenchConfig
 from kvstage.bench.stages import RankMark
 from kvstage.dataplane import KVPool, PoolGeometry, plan_direct_slices
 from kvstage.layout import HeadTransfer, ceil_div, heads_of_rank, plan_head_transfers, plan_staging
-from kvstage.protocol import Timing
+from kvstage.protocol import Limits, Timing
 from kvstage.runtime import AgentConfig, DecodeAgent, PrefillAgent, peer_id
 from kvstage.transport.data import (
     DataTransport,
@@ -188,6 +188,8 @@ class _Rank:
             bootstrap=self.bootstrap,
             transport=TransportConfig(backend=self.config.backend),
             timing=BENCH_TIMING,
+            # prefill may ask for as many chunks ahead as a decode ring holds (the default window is 4)
+            limits=Limits(max_chunks_ahead=max(Limits().max_chunks_ahead, self.config.ring_chunks)),
             chunk_tokens=self.config.chunk_tokens,
             writes_per_peer=self.config.writes_per_peer,
             trace_chunks=TRACE_MARKS,
