@@ -109,7 +109,8 @@ BUSY_POLL_MAX_S = 0.002
 IDLE_POLL_S = 0.05
 #: How often the reactor releases the state of peers that left and fails sends parked for too long.
 PEER_SWEEP_S = 0.5
-#: How often the snapshot and the gauges are refreshed (a timer, never per turn: they walk the endpoint's tables).
+#: The snapshot and the gauges are refreshed at most this often, and only after turns that did something (they walk
+#: the endpoint's tables; an idle reactor does not wake for them).
 REFRESH_S = 0.01
 
 
@@ -146,7 +147,8 @@ class BaseAgent(PeerLinks):
         self._draining = False
         self._poll_delay = BUSY_POLL_MIN_S
         self._next_sweep = 0.0
-        self._next_refresh = 0.0  # when the snapshot and gauges are refreshed next
+        self._next_refresh = 0.0  # when the snapshot and gauges may be refreshed next
+        self._stale = True  # something the snapshot shows may have changed since its last refresh
         self._moved = False  # a transfer completed or a scatter landed this turn
         self._snapshot = AgentSnapshot()
         self._thread = threading.Thread(target=self._run, name=f"kvstage-{self.role}-reactor", daemon=True)
@@ -360,7 +362,7 @@ class BaseAgent(PeerLinks):
     def _turn(self) -> bool:
         """One turn of the reactor; False once asked to stop. Its events die with it: nothing inbound stays
         referenced while the thread waits for the next turn."""
-        wait_for_work(self._mailbox, self.channel, self._timeout())
+        readable = wait_for_work(self._mailbox, self.channel, self._timeout())
         stopping = False
         batch = self._mailbox.take()
         for item in batch:
@@ -370,7 +372,7 @@ class BaseAgent(PeerLinks):
                 self._guarded(self._dispatch, item)
         received = 0
         try:
-            received = self.channel.receive()
+            received = self.channel.receive() if readable or batch else 0  # a post may have made a reply come
         except TransportError as exc:  # closed under the loop: the agent is stopping
             log.debug("%s: control channel: %s", self.peer_id, exc)
         self._guarded(self._poll_transport)
@@ -382,18 +384,22 @@ class BaseAgent(PeerLinks):
         if now >= self._next_sweep:
             self._next_sweep = now + PEER_SWEEP_S
             self._guarded(self._release_departed, now)
-        if self._busy() and not (batch or received or self._moved):  # a wait went by with nothing done: back off
+        active = bool(batch or received or self._moved)
+        if self._busy() and not active:  # a wait went by with nothing done: back off
             self._poll_delay = min(2 * self._poll_delay, BUSY_POLL_MAX_S)
         self._moved = False
-        if now >= self._next_refresh:
-            self._next_refresh = now + REFRESH_S
+        self._stale = self._stale or active or (due is not None and now >= due)
+        if self._stale and now >= self._next_refresh:
+            self._next_refresh, self._stale = now + REFRESH_S, False
             self._guarded(self._refresh_snapshot)
         return not stopping
 
     def _timeout(self) -> float:
         """How long the next wait may sleep: until the next timer, poll of work in flight, sweep or refresh."""
         now = time.monotonic()
-        wake = min(now + (self._poll_delay if self._busy() else IDLE_POLL_S), self._next_sweep, self._next_refresh)
+        wake = min(now + (self._poll_delay if self._busy() else IDLE_POLL_S), self._next_sweep)
+        if self._stale:  # what the snapshot shows changed: refresh it on time, else sleep on
+            wake = min(wake, self._next_refresh)
         due = self.endpoint.next_timer()
         if due is not None:
             wake = min(wake, due)

@@ -105,18 +105,20 @@ class Readable(Protocol):
     def readable(self) -> bool: ...
 
 
-def wait_for_work(mailbox: Mailbox, channel: Readable, timeout: float) -> None:
-    """Sleep until a post, a frame or `timeout` seconds (0: do not sleep)."""
-    if timeout <= 0:
-        return
+def wait_for_work(mailbox: Mailbox, channel: Readable, timeout: float) -> bool:
+    """Sleep until a post, a frame or `timeout` seconds (0: do not sleep); whether a frame may be waiting."""
     mailbox.asleep = True
     try:
-        if mailbox or channel.readable():
-            return
-        select.select([mailbox.fileno(), channel.fileno()], [], [], timeout)
+        if mailbox or timeout <= 0:
+            return channel.readable()
+        if channel.readable():
+            return True
+        ready, _, _ = select.select([mailbox.fileno(), channel.fileno()], [], [], timeout)
     finally:
         mailbox.asleep = False
-    mailbox.clear()
+    if mailbox.fileno() in ready:
+        mailbox.clear()
+    return channel.readable()
 
 
 @dataclass(frozen=True, slots=True)

@@ -140,6 +140,7 @@ class ControlChannel(Generic[M, In]):
         self._context = context or zmq.Context.instance()
         self.name = name
         self._router: zmq.Socket[bytes] | None = None
+        self._fd = -1
         self._peers: dict[str, zmq.Socket[bytes]] = {}
         self._owner = threading.get_ident()
         self._address = ""
@@ -164,6 +165,7 @@ class ControlChannel(Generic[M, In]):
             router.close(linger=0)
             raise TransportError(f"{self.name}: cannot bind {self._bind}: {exc}") from exc
         self._address = router.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._fd = int(router.getsockopt(zmq.FD))
         self._router = router
         self._owner = threading.get_ident()
         return self
@@ -203,7 +205,8 @@ class ControlChannel(Generic[M, In]):
     def fileno(self) -> int:
         """A descriptor that becomes readable when the ROUTER's state changes (ZeroMQ's edge-triggered `FD`): wait
         on it only while `readable()` is False."""
-        return int(self._open().getsockopt(zmq.FD))
+        self._open()
+        return self._fd
 
     def readable(self) -> bool:
         """Whether a frame may be waiting (ask before every wait on `fileno()`)."""
