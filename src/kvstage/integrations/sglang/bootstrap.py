@@ -93,7 +93,7 @@ class KVStageBootstrapServer:
         self.endpoint = f"tcp://{host}:{port}"
         check_bind(self.endpoint, False, os.environ.get("KVSTAGE_INSECURE") == "1", "kvstage's sglang mailbox")
         self.rejected: Counter[str] = Counter()
-        self._ctx = zmq.Context.instance()
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
@@ -136,7 +136,8 @@ class MailboxClient:
 
     def ask(self, req: Request) -> Reply:
         """The service's reply, or `Reply(False, why)` when it cannot be reached in time (never raises)."""
-        sock = zmq.Context.instance().socket(zmq.REQ)
+        context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+        sock = context.socket(zmq.REQ)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVTIMEO, self.timeout_ms)
         sock.setsockopt(zmq.SNDTIMEO, self.timeout_ms)

@@ -32,13 +32,13 @@ from sglang.srt.disaggregation.base.conn import (  # noqa: E402
 from sglang.srt.disaggregation.common.conn import KVTransferError  # noqa: E402
 
 from kvstage.integrations.sglang.bootstrap import KVStageBootstrapServer  # noqa: E402
-from kvstage.integrations.sglang.manager import RankBackend, RankPlace  # noqa: E402
+from kvstage.integrations.sglang.manager import RankBackend, RankPlace, Role  # noqa: E402
 from kvstage.integrations.sglang.rooms import ReceiverRoom, SenderRoom  # noqa: E402
 from kvstage.integrations.sglang.settings import settings_from_env  # noqa: E402
 
 
 def _place(args: Any, mode: Any, server_args: Any) -> RankPlace:
-    role = "prefill" if str(getattr(mode, "value", mode)) == "prefill" else "decode"
+    role: Role = "prefill" if str(getattr(mode, "value", mode)) == "prefill" else "decode"
     host, port = server_args.host, server_args.disaggregation_bootstrap_port
     settings = settings_from_env()
     instance = settings.instance or f"sglang-{role}-{settings.host}-{port}"

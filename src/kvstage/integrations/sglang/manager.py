@@ -61,9 +61,9 @@ def check_room(room: object) -> str:
     """Why `room` cannot be a kvstage room ("" when it can): an int in [1, 2**63 - 1]. Room 0 is sglang's "no
     metadata yet" marker in its aux rows, so it is refused too."""
     if not isinstance(room, int) or isinstance(room, bool):
-        return f"malformed room {room!r}: bootstrap_room must be an integer"
+        return f"malformed room: bootstrap_room {room!r} is not an integer"
     if not 0 < room <= MAX_ID:
-        return f"malformed room {room}: bootstrap_room must be in [1, {MAX_ID}]"
+        return f"malformed room: bootstrap_room {room} is not in [1, {MAX_ID}]"
     return ""
 
 
@@ -108,7 +108,8 @@ class RankBackend:
             chunk_tokens=s.grid(kv.layout.page_size), ring_bytes=s.ring_mib << 20, staging_bytes=s.staging_mib << 20,
         )  # fmt: skip
         agent = PrefillAgent(config, kv.kv) if p.role == "prefill" else DecodeAgent(config, kv.kv)
-        return agent.start()
+        agent.start()
+        return agent
 
     # ---- the worker thread ---------------------------------------------------------------------------------
 

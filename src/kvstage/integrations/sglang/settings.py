@@ -6,7 +6,7 @@ they come from the environment, the same on every rank of an instance; an unknow
 
 | variable | meaning | default |
 |---|---|---|
-| `KVSTAGE_BOOTSTRAP` | kvstage's directory, one for the whole deployment (`tcp://HOST:PORT` of `kvstage bootstrap`, or `etcd://...`) | `tcp://127.0.0.1:7100` |
+| `KVSTAGE_BOOTSTRAP` | kvstage's directory, one per deployment (`kvstage bootstrap` or etcd) | `tcp://127.0.0.1:7100` |
 | `KVSTAGE_BACKEND` | data transport: local, mooncake, nixl, cuda_ipc | `local` |
 | `KVSTAGE_HOST` | the address peers reach this rank's control plane and transport at | `127.0.0.1` |
 | `KVSTAGE_CHUNK_TOKENS` | decode's staging grid (a multiple of the page size; 0: the smallest multiple >= 256) | 0 |
