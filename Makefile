@@ -8,7 +8,7 @@ STAMP_BASE := $(VENV)/.kvstage-base
 STAMP_TEST := $(VENV)/.kvstage-test
 STAMP_VLLM := $(VENV)/.kvstage-vllm
 
-.PHONY: demo test lint typecheck pytest sim bench clean system-deps
+.PHONY: demo test lint typecheck pytest sim bench clean system-deps sglang test-sglang
 
 demo: $(STAMP_VLLM)
 	$(VENV)/bin/kvstage demo
@@ -76,5 +76,25 @@ bench: $(STAMP_TEST)
 	$(VENV)/bin/kvstage bench --backend mooncake --model llama3-8b --prefill-tp 4 --decode-tp 2 --tokens 4096 --page-size 16 $(BENCH_FLAGS)
 	$(VENV)/bin/kvstage bench --backend nixl --model llama3-8b --prefill-tp 4 --decode-tp 2 --tokens 4096 --page-size 16 $(BENCH_FLAGS)
 
+# kvstage's sglang backend (docs/sglang.md), in a venv of its own: sglang 0.5.23 pins torch 2.14.1 and transformers
+# 5.19.0, so it goes in without its dependencies, beside the extra `sglang` (what it needs to import on a CPU host).
+# Not part of `make test`: about 1.5 GB and 50 s more (triton alone is 1 GB), on top of the base install.
+SGLANG_VENV ?= .venv-sglang
+SGLANG_PIP := $(SGLANG_VENV)/bin/python -m pip --disable-pip-version-check
+STAMP_SGLANG := $(SGLANG_VENV)/.kvstage-sglang
+
+$(STAMP_SGLANG): pyproject.toml
+	python3 -m venv $(SGLANG_VENV)
+	$(SGLANG_PIP) install -q torch==2.13.0
+	$(SGLANG_PIP) install -q -e '.[sglang,test]' torch==2.13.0
+	$(SGLANG_PIP) install -q --no-deps sglang==0.5.23
+	$(SGLANG_PIP) uninstall -q -y torchvision
+	touch $@
+
+sglang: $(STAMP_SGLANG)
+
+test-sglang: $(STAMP_SGLANG)
+	$(SGLANG_VENV)/bin/pytest -q tests/integrations/sglang
+
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(SGLANG_VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -1,0 +1,97 @@
+"""A cluster of sglang-shaped ranks on one host: sglang's KV buffers (per layer K and V, `[slots, heads, dim]`), its
+aux rows, its real `KVArgs`, and kvstage's sglang classes built on them, as sglang's queues build them."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from kvstage.layout import heads_of_rank
+from kvstage.transport.bootstrap import BootstrapServer
+
+LAYERS, HEADS, DIM, PAGE, SLOTS_PAGES, AUX_ROWS = 2, 4, 8, 4, 64, 8
+
+
+@dataclass
+class Rank:
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
+    aux: list[torch.Tensor]
+    heads: range
+    mgr: Any = None
+
+    def kv_args(self, rank: int) -> Any:
+        from sglang.srt.disaggregation.base import KVArgs
+
+        args = KVArgs()
+        args.engine_rank, args.pp_rank, args.page_size = rank, 0, PAGE
+        args.kv_data_ptrs = [t.data_ptr() for t in self.k + self.v]
+        args.kv_data_lens = [t.nbytes for t in self.k + self.v]
+        args.kv_item_lens = [t[0].nbytes * PAGE for t in self.k + self.v]
+        args.kv_cache_dtype_str, args.kv_head_num, args.total_kv_head_num = "bfloat16", len(self.heads), HEADS
+        args.aux_data_ptrs = [t.data_ptr() for t in self.aux]
+        args.aux_data_lens = [t.nbytes for t in self.aux]
+        args.aux_item_lens = [t[0].nbytes for t in self.aux]
+        args.state_types, args.num_draft_entries, args.gpu_id = [], 0, 0
+        return args
+
+
+def new_rank(tp: int, rank: int) -> Rank:
+    heads = heads_of_rank(HEADS, tp, rank)
+    n = len(heads)
+    k = [torch.zeros(SLOTS_PAGES * PAGE, n, DIM, dtype=torch.bfloat16) for _ in range(LAYERS)]
+    v = [torch.zeros(SLOTS_PAGES * PAGE, n, DIM, dtype=torch.bfloat16) for _ in range(LAYERS)]
+    aux = [torch.zeros(AUX_ROWS, 16, dtype=torch.int32), torch.zeros(AUX_ROWS, 16, dtype=torch.float32),
+           torch.zeros(AUX_ROWS, 1, dtype=torch.int64)]  # fmt: skip
+    return Rank(k, v, aux, heads)
+
+
+@dataclass
+class Cluster:
+    prefill: list[Rank]
+    decode: list[Rank]
+    mailbox: Any
+    directory: BootstrapServer
+    addr: str
+    truth: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def close(self) -> None:
+        for r in self.prefill + self.decode:
+            r.mgr.close()
+        self.mailbox.close()
+        self.directory.close()
+
+
+def make_cluster(p_tp: int, d_tp: int, port: int, monkeypatch: Any, timeout_s: float = 20) -> Cluster:
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+
+    from kvstage.integrations.sglang.conn import KVStageBootstrapServer, KVStageKVManager
+
+    directory = BootstrapServer().start()
+    monkeypatch.setenv("KVSTAGE_BOOTSTRAP", directory.address)
+    monkeypatch.setenv("KVSTAGE_CHUNK_TOKENS", "8")
+    monkeypatch.setenv("KVSTAGE_RING_MIB", "1")
+    monkeypatch.setenv("KVSTAGE_STAGING_MIB", "1")
+    monkeypatch.setenv("KVSTAGE_ROOM_TIMEOUT_S", str(timeout_s))
+    mailbox = KVStageBootstrapServer("127.0.0.1", port)
+    cluster = Cluster([new_rank(p_tp, r) for r in range(p_tp)], [new_rank(d_tp, r) for r in range(d_tp)], mailbox,
+                      directory, f"127.0.0.1:{port}")  # fmt: skip
+    for role, ranks, tp, mode in (("prefill", cluster.prefill, p_tp, DisaggregationMode.PREFILL),
+                                  ("decode", cluster.decode, d_tp, DisaggregationMode.DECODE)):  # fmt: skip
+        monkeypatch.setenv("KVSTAGE_INSTANCE", f"sg-{role}-{port}")
+        server_args = SimpleNamespace(host="127.0.0.1", disaggregation_bootstrap_port=port, tp_size=tp, dp_size=1,
+                                      device="cpu")  # fmt: skip
+        for rank, r in enumerate(ranks):
+            r.mgr = KVStageKVManager(r.kv_args(rank), mode, server_args, False)
+    return cluster
+
+
+def wait(predicate: Any, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.002)
