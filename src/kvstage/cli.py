@@ -9,8 +9,9 @@ unless a secret is given (`KVSTAGE_SECRET` or `--secret-file`) or `--insecure` o
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, TypeVar
 
 import typer
 
@@ -18,6 +19,7 @@ if TYPE_CHECKING:
     from kvstage.bench.config import BenchConfig
 
 log = logging.getLogger("kvstage.cli")
+_T = TypeVar("_T")
 
 app = typer.Typer(
     name="kvstage",
@@ -246,11 +248,7 @@ def bench(
     if handoff:
         _bench_handoff(config, gap_ms, chunk_rate_hz, stream_s, as_json)
         return
-    try:
-        result = run_with_progress(config)
-    except BenchError as exc:
-        typer.echo(f"bench failed: {exc}", err=True)
-        raise typer.Exit(code=1) from exc
+    result = _measured(lambda: run_with_progress(config), BenchError)
     print_table(result, Console())
     if plot_file:
         plot(result, Path(plot_file))
@@ -273,14 +271,19 @@ def _bench_handoff(
         handoff = HandoffConfig(config, gap / 1e3, chunk_rate_hz, stream_s)
     except ConfigError as exc:
         raise typer.BadParameter(str(exc)) from exc
-    try:
-        result = run_handoff_with_progress(handoff)
-    except HandoffError as exc:
-        typer.echo(f"bench failed: {exc}", err=True)
-        raise typer.Exit(code=1) from exc
+    result = _measured(lambda: run_handoff_with_progress(handoff), HandoffError)
     print_handoff_table(result, Console())
     if as_json:
         typer.echo(handoff_json_line(result))
+
+
+def _measured(run: Callable[[], _T], failure: type[Exception]) -> _T:
+    """`run()`'s result; its `failure` (a bench that could not measure) is said on stderr and exits 1."""
+    try:
+        return run()
+    except failure as exc:
+        typer.echo(f"bench failed: {exc}", err=True)
+        raise typer.Exit(code=1) from exc
 
 
 def _start_service(service: str, endpoint: str, secret_file: str | None, insecure: bool) -> bytes | None:
