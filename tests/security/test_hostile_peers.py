@@ -8,6 +8,7 @@ member, which docs/security.md leaves out of the threat model; with one, such fr
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -19,7 +20,8 @@ from deployment import PATIENT, Caps, Deployment, prefill_instance, start_room, 
 from kvstage.e2e.stranger import Stranger
 from kvstage.protocol import Limits
 from kvstage.protocol.messages import PROTOCOL_VERSION, Abort, Heartbeat, Metadata, StagingRequest
-from kvstage.runtime import DecodeAgent, PrefillAgent
+from kvstage.runtime import DecodeAgent, PrefillAgent, RoomOutcome
+from kvstage.runtime.agent import AgentTask
 from kvstage.runtime.outbox import PEER_QUEUE_FULL, STALE_SESSION, UNREGISTERED, UNVERIFIED, ParkLimits
 
 
@@ -223,3 +225,28 @@ def test_frames_under_a_writers_id_but_not_its_registered_session_never_change_i
             agent.close()
         impostor.close()
         deployment.close()
+
+
+def test_a_decode_rank_whose_first_frame_came_amid_strangers_frames_is_asked_about_again_not_locked_out() -> None:
+    """Found in a fresh-clone run: a busy prefill reactor read a decode rank's first Metadata between strangers'
+    frames (ZeroMQ reads its connections in turn), the strangers' peers evicted the decode rank from the resolver's
+    wanted set before it was resolved, and its retries, held behind its first frame, never asked again: its room
+    failed as "peer dead" on decode. Each prefill reactor is held here while the frames queue up in that order."""
+    caps = Caps(timing=PATIENT, limits=Limits(max_peers=4))
+    with _strangers_at_prefill(caps) as (deployment, prefill, strangers):
+        go = threading.Event()
+        for agent in prefill:  # the reactors are busy: what comes waits in ZeroMQ's queues
+            agent._mailbox.put(AgentTask(lambda: go.wait(10)))
+        for stranger in strangers:
+            stranger.send("ghost-0/0", Heartbeat())
+        outcomes: list[RoomOutcome] = []
+        room = threading.Thread(target=lambda: outcomes.extend(deployment.run_room(1, "P", prefill)))
+        room.start()
+        time.sleep(0.5)  # decode's Metadata waits at each prefill rank, after the strangers' first frame
+        for stranger in strangers:
+            for i in range(1, 8):
+                stranger.send(f"ghost-{i}/0", Heartbeat())
+        time.sleep(0.2)
+        go.set()
+        room.join(60)
+        assert outcomes and all(o.ok for o in outcomes), outcomes

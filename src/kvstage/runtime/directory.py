@@ -90,6 +90,11 @@ class Resolver:
         self._wake.set()
         return True
 
+    def wants(self, peer_id: str) -> bool:
+        """Whether `peer_id` is asked about now (not evicted, forgotten or expired since)."""
+        with self._lock:
+            return peer_id in self._wanted
+
     def forget(self, peer_id: str) -> None:
         """Stop resolving `peer_id` (its session ended); a later `want` starts over."""
         with self._lock:

@@ -141,7 +141,10 @@ class PeerLinks(ABC):
         if sender in self._incompatible or (record is not None and session < record.session):
             self.metrics.frame_rejected(INCOMPATIBLE_SENDER if sender in self._incompatible else STALE_SESSION)
             return False
-        asked = self._held.holds(sender) or self.resolver.want(sender)  # ask once per holding, not per frame
+        # ask once per holding, not per frame; but again if the resolver let the sender go meanwhile (strangers
+        # asking about more peers than it keeps evict the entry asked about longest ago), else a peer whose first
+        # frame came amid strangers' would wait, its frames held, until they expire
+        asked = (self._held.holds(sender) and self.resolver.wants(sender)) or self.resolver.want(sender)
         if not asked:
             self.metrics.frame_rejected(f"{UNVERIFIED}: too many unresolved peers")
             return False
