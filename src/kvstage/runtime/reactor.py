@@ -106,18 +106,19 @@ class Readable(Protocol):
 
 
 def wait_for_work(mailbox: Mailbox, channel: Readable, timeout: float) -> bool:
-    """Sleep until a post, a frame or `timeout` seconds (0: do not sleep); whether a frame may be waiting."""
-    mailbox.asleep = True
-    try:
-        if mailbox or timeout <= 0:
-            return channel.readable()
-        if channel.readable():
-            return True
-        ready, _, _ = select.select([mailbox.fileno(), channel.fileno()], [], [], timeout)
-    finally:
-        mailbox.asleep = False
-    if mailbox.fileno() in ready:
-        mailbox.clear()
+    """Sleep until a post, a frame or `timeout` seconds (0: do not sleep); whether a frame may be waiting.
+
+    The reactor marks itself asleep before it looks at the mailbox one last time, so a post made after that look
+    writes the eventfd; it does not mark itself asleep when it will not sleep, so posts then cost no system call."""
+    if timeout > 0:
+        mailbox.asleep = True
+        try:
+            if not mailbox and not channel.readable():
+                ready, _, _ = select.select([mailbox.fileno(), channel.fileno()], [], [], timeout)
+                if mailbox.fileno() in ready:
+                    mailbox.clear()
+        finally:
+            mailbox.asleep = False
     return channel.readable()
 
 
