@@ -53,7 +53,7 @@ STEPS=("$@")
 for STEP in "${STEPS[@]}"; do
     case $STEP in
     tests) step tests 270 python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts="" --timeout 120 $GPU_TESTS ;;
-    tests3) step tests3 420 bash -c 'for i in 1 2 3; do echo "== run $i"; python3 -m pytest -q -m gpu \
+    tests3) step tests3 585 bash -c 'for i in 1 2 3; do echo "== run $i"; python3 -m pytest -q -m gpu \
         -p no:cacheprovider -o addopts="" --timeout 120 '"$GPU_TESTS"' || exit 1; done' ;;
     handoff_p2d1) step handoff_p2d1 540 $HANDOFF -- $HANDOFF_ARGS --prefill-tp 2 --decode-tp 1 ;;
     handoff_p4d2) step handoff_p4d2 540 $HANDOFF -- $HANDOFF_ARGS --prefill-tp 4 --decode-tp 2 ;;
