@@ -38,9 +38,16 @@ from kvstage.e2e.servers import (
 
 #: Rooms of the test servers end within this many seconds. A rank silent for DEAD_AFTER_S is dead, sooner than
 #: the room deadline: a killed prefill is fenced, and the ring space its rooms held is released, before they time out.
+#: Prefill waits as long for a silent decode rank (not the connector's 4 s): vLLM's CPU workers on this 2-core host
+#: were seen silent for seconds (docs/deploy.md), and a decode rank declared dead costs a recompute, which would
+#: fail these tests' bit-exact checks; tests/runtime/test_decode_death.py checks the 4 s default.
 ROOM_TIMEOUT_S = 30.0
 DEAD_AFTER_S = 10.0
-EXTRA_CONFIG: tuple[tuple[str, object], ...] = (("room_timeout_s", ROOM_TIMEOUT_S), ("dead_after_s", DEAD_AFTER_S))
+EXTRA_CONFIG: tuple[tuple[str, object], ...] = (
+    ("room_timeout_s", ROOM_TIMEOUT_S),
+    ("dead_after_s", DEAD_AFTER_S),
+    ("decode_dead_after_s", DEAD_AFTER_S),
+)
 
 #: A prefill instance (TP=1) with a tiny KV cache, for the tests that need prefill to preempt: 9 usable blocks of
 #: 128 tokens, 128 tokens per step and at most 32 of them per request, so that concurrent prompts of a few blocks

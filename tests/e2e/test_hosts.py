@@ -91,9 +91,12 @@ RESUME_S = 150.0
 WARM_UP_PROMPT = [5, 6, 7]
 #: Servers of a cluster start together within this.
 START_TIMEOUT_S = 600.0
+#: Prefill waits for a silent decode rank as long as decode for a silent writer (not the connector's 4 s), so that
+#: "shorter" and "longer than dead_after_s" mean the same on both sides of a cut.
 EXTRA_CONFIG = (
     ("room_timeout_s", ROOM_TIMEOUT_S),
     ("dead_after_s", DEAD_AFTER_S),
+    ("decode_dead_after_s", DEAD_AFTER_S),
     ("chunk_tokens", 128),
     ("ring_mib", 8),
     ("ring_canary", 1),

@@ -31,6 +31,7 @@ def test_settings_take_their_types_from_the_extra_config_strings_included() -> N
         ({"instance": "P", "backend": "rdma"}, "'backend'"),
         ({"instance": "P/0"}, "'instance'"),
         ({"instance": "P", "dead_after_s": 0}, "'dead_after_s'"),
+        ({"instance": "P", "decode_dead_after_s": -1}, "'decode_dead_after_s'"),
         ({"instance": "P", "url": "10.0.0.2:8100"}, "'url'"),
         ({"instance": "D", "ring_canary": 2}, "'ring_canary'"),
     ],
@@ -41,6 +42,7 @@ def test_settings_take_their_types_from_the_extra_config_strings_included() -> N
         "unknown backend",
         "slash in name",
         "zero liveness",
+        "negative decode liveness",
         "url",
         "canary",
     ],
@@ -48,6 +50,13 @@ def test_settings_take_their_types_from_the_extra_config_strings_included() -> N
 def test_a_bad_extra_config_is_refused_naming_the_key(extra: dict[str, object], named: str) -> None:
     with pytest.raises(ConfigError, match=named):
         ConnectorSettings.from_extra_config(extra)
+
+
+def test_prefill_waits_4_s_for_a_silent_decode_rank_and_heartbeats_often_enough_for_it() -> None:
+    timing = ConnectorSettings(instance="P").timing()
+    assert (timing.dead_after_s, timing.decode_dead_after_s, timing.heartbeat_s) == (20.0, 4.0, 0.5)
+    timing = ConnectorSettings(instance="P", dead_after_s=5.0, decode_dead_after_s=30.0).timing()
+    assert (timing.decode_dead_after_s, timing.heartbeat_s) == (30.0, 0.5)
 
 
 def test_the_chunk_grid_defaults_to_the_smallest_block_multiple_of_at_least_256_tokens() -> None:

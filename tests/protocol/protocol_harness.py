@@ -181,9 +181,11 @@ def make_pump(
     limits: Limits | None = None,
     prefill_instances: int = 1,
     prefill_page_size: int | None = None,
+    prefill_timing: Timing = TIMING,
 ) -> Pump:
     """Decode ranks d0.. and prefill ranks p0.. (instance k's ranks are named pk.0, pk.1, ... when k > 0); prefill's
-    page size is decode's `page_size` unless `prefill_page_size` says otherwise."""
+    page size is decode's `page_size` unless `prefill_page_size` says otherwise, its timing `TIMING` unless
+    `prefill_timing` does."""
     kv = layout(heads, page_size)
     prefill_kv = layout(heads, prefill_page_size or page_size)
     lim = limits or Limits()
@@ -196,7 +198,9 @@ def make_pump(
     for instance in range(prefill_instances):
         for rank in range(prefill_tp):
             name = prefill_name(instance, rank)
-            endpoints[name] = PrefillEndpoint(PrefillConfig(name, prefill_kv, prefill_tp, rank, TIMING, lim), session=1)
+            endpoints[name] = PrefillEndpoint(
+                PrefillConfig(name, prefill_kv, prefill_tp, rank, prefill_timing, lim), session=1
+            )
     return Pump(endpoints)
 
 
@@ -258,12 +262,13 @@ def attach(
     instance: int = 0,
     prompt: bytes = b"",
     decode_tp: int | None = None,
+    claim_s: float = 0.0,
 ) -> None:
     """Attach `room` on every prefill rank of the instance, for the pump's decode TP unless `decode_tp` says
     otherwise (0: not known yet, learned from decode's Metadata)."""
     decode_tp = len(decode_names(pump)) if decode_tp is None else decode_tp
     for name in prefill_names(pump, instance):
-        pump.call(name, AttachRoom(room, num_tokens, decode_tp, deadline, prompt))
+        pump.call(name, AttachRoom(room, num_tokens, decode_tp, deadline, prompt, claim_s))
 
 
 def compute(pump: Pump, room: int, end: int, *, instance: int = 0) -> None:

@@ -270,7 +270,8 @@ class Worker:
         slots = self.pool.slot_indices(pages, 0, plan.num_tokens)
         byte_view(self.pool).index_copy_(2, slots, kv.contiguous())
         self.digests[str(plan.room)] = head_digests(self.pool, self.heads, pages, plan.prefix_tokens, plan.num_tokens)
-        self.agent.attach_room(plan.room, plan.num_tokens, self.spec["peer_tp"], timeout)
+        decode_tp = 0 if phase.get("sequential") else self.spec["peer_tp"]  # 0: decode not known yet (vLLM's flow)
+        self.agent.attach_room(plan.room, plan.num_tokens, decode_tp, timeout, claim_s=phase.get("claim_s", 0.0))
         step = 2 * self.spec["chunk_tokens"]
         ends = [*range(step, plan.num_tokens, step), plan.num_tokens]
         if hold:  # only the first chunk's KV is ready (until a release): the room stays mid-transfer

@@ -8,9 +8,10 @@ Owns, for both DecodeEndpoint and PrefillEndpoint:
   tuple. A newer one means the old process is gone (or was fenced): it is fenced, the rooms it served are lost,
   and the new one is served at once. A fenced incarnation's frames are dropped and answered with `Fenced`, so a live
   but partitioned peer bumps its epoch towards us and is served again. A peer silent past
-  `Timing.dead_after_s` is declared dead: its rooms are lost with reason "peer dead", its incarnation fenced,
-  and it is pruned from the table (and from every broadcast). Silence counts only while this endpoint ran: time
-  it was stalled itself (a heartbeat tick more than a heartbeat period late) is credited to every peer;
+  `Timing.dead_after_s` (on prefill: `Timing.decode_dead_after_s`) is declared dead: its rooms are lost with reason
+  "peer dead", its incarnation fenced, and it is pruned from the table (and from every broadcast). Silence counts
+  only while this endpoint ran: time it was stalled itself (a heartbeat tick more than a heartbeat period late) is
+  credited to every peer;
 - the writer lease clocks: every envelope carries `stamp` (our `now`) and `echo` (the highest stamp heard from the
   addressee's current incarnation); an echo of one of our own stamps, from a peer, renews `lease_until(peer)`:
   the peer received a frame we sent at that time, so it heard from us then (docs/protocol.md, "Writer leases");
@@ -238,6 +239,10 @@ class EndpointCore(ABC):
     def _after_event(self) -> None:
         """subclass: runs after every event (decode: broadcast a moved watermark)."""
 
+    def _dead_after_s(self) -> float:
+        """subclass (prefill): how long a peer may be silent before it is declared dead (R8)."""
+        return self.timing.dead_after_s
+
     # ---- sending ----------------------------------------------------------------------------------------------
     def _send(self, peer_id: str, body: Body) -> None:
         self._seq += 1
@@ -364,9 +369,9 @@ class EndpointCore(ABC):
             peer.last_heard = min(self._now, peer.last_heard + late)
 
     def _check_liveness(self) -> None:
-        """R8: a peer silent past dead_after_s is dead; with rooms it is fenced, in any case it is pruned."""
+        """R8: a peer silent past `_dead_after_s()` is dead; with rooms it is fenced, in any case it is pruned."""
         self._release_fences()
-        deadline = self._now - self.timing.dead_after_s
+        deadline = self._now - self._dead_after_s()
         for peer in [p for p in self._peers.values() if p.last_heard < deadline]:
             if peer.rooms:
                 self.stats.peers_dead += 1

@@ -39,7 +39,13 @@ class Timing:
     `quarantine_s` after decode last heard from it, in decode's clock, whatever the two clocks read, as long as
     their rates differ by at most `clock_drift`. A peer is declared dead after `dead_after_s` of silence, so
     `dead_after_s >= quarantine_s` is required: a dead writer's ring space can then be reused at once.
-    `lease_s` and `max_write_s` left at 0 become `LEASE_SHARE * dead_after_s` each."""
+    `lease_s` and `max_write_s` left at 0 become `LEASE_SHARE * dead_after_s` each.
+
+    A prefill rank declares a silent decode rank dead after `decode_dead_after_s` (0: `dead_after_s`), which may be
+    much shorter: nothing of decode's lands in prefill's memory, so no quarantine bounds it from below. Then a room
+    whose decode died frees prefill's KV within seconds instead of holding it to the room's deadline; a decode rank
+    declared dead while alive (stalled longer than that) loses its rooms with that prefill rank (decode recomputes),
+    never a byte."""
 
     heartbeat_s: float = 0.5  # both directions; decode heartbeats also carry the watermark (R4, R8)
     dead_after_s: float = 5.0  # a peer silent this long is dead (R8)
@@ -48,6 +54,7 @@ class Timing:
     lease_s: float = 0.0  # a writer's lease towards a decode rank, counted from its last echoed frame
     max_write_s: float = 0.0  # the longest a posted write may take to land (or fail): the transport's bound
     clock_drift: float = 0.001  # the largest relative rate difference between two peers' clocks
+    decode_dead_after_s: float = 0.0  # prefill side: a decode rank silent this long is dead (0: dead_after_s)
 
     def __post_init__(self) -> None:
         self._derive()
@@ -67,6 +74,8 @@ class Timing:
         for name in ("lease_s", "max_write_s"):
             if getattr(self, name) == 0:
                 object.__setattr__(self, name, LEASE_SHARE * self.dead_after_s)
+        if self.decode_dead_after_s == 0:
+            object.__setattr__(self, "decode_dead_after_s", self.dead_after_s)
 
     @property
     def quarantine_s(self) -> float:
@@ -75,7 +84,7 @@ class Timing:
 
     def problems(self) -> list[str]:
         """Why this timing is unsafe or unworkable (empty when it is fine)."""
-        positive = ("heartbeat_s", "dead_after_s", "retry_initial_s", "retry_max_s", "lease_s", "max_write_s")
+        positive = [f.name for f in dataclasses.fields(self) if f.name != "clock_drift"]
         bad = [
             f"Timing.{name} must be positive, got {getattr(self, name)!r}"
             for name in positive
@@ -85,11 +94,12 @@ class Timing:
             return bad
         if not 0 <= self.clock_drift < 0.5:
             return [f"Timing.clock_drift must be in [0, 0.5), got {self.clock_drift!r}"]
-        if self.dead_after_s <= self.heartbeat_s:
-            bad.append(
-                f"Timing.dead_after_s={self.dead_after_s} must exceed heartbeat_s={self.heartbeat_s}, "
-                "or live peers are declared dead between two heartbeats"
-            )
+        bad.extend(
+            f"Timing.{name}={getattr(self, name)} must exceed heartbeat_s={self.heartbeat_s}, "
+            "or live peers are declared dead between two heartbeats"
+            for name in ("dead_after_s", "decode_dead_after_s")
+            if getattr(self, name) <= self.heartbeat_s
+        )
         if self.lease_s < 2 * self.heartbeat_s:
             bad.append(
                 f"Timing.lease_s={self.lease_s} must be at least 2 * heartbeat_s={self.heartbeat_s}: a lease is "

@@ -64,13 +64,18 @@ class AttachRoom:
 
     `decode_tp` 0: the decode instance is not known yet (vLLM's sequential flow, where decode hears of the request
     only after prefill has computed it); the first decode rank's Metadata fixes it, and every later one must agree.
-    Until then the room waits, holding its pages, for Metadata or its deadline."""
+    Until then the room waits, holding its pages, for Metadata or its deadline.
+
+    `claim_s` > 0: once the engine has computed the whole prompt (KVReady up to `num_tokens`), the room waits that
+    long at most for the first decode rank's Metadata; then it fails "unclaimed" and its pages come back (a decode
+    request that never came, or that its engine refused). 0: it waits until its deadline."""
 
     room: int
     num_tokens: int
     decode_tp: int
     deadline: float
     prompt: bytes = b""
+    claim_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -128,7 +128,10 @@ class PrefillEndpoint(EndpointCore):
         except ConfigError as exc:
             raise InvalidRequest(f"room {event.room}: decode_tp={event.decode_tp} is unusable: {exc}") from exc
         self.stats.rooms_opened += 1
-        r = WriterRoom(event.room, event.num_tokens, event.decode_tp, event.deadline, targets, prompt=event.prompt)
+        if event.claim_s < 0:
+            raise InvalidRequest(f"room {event.room}: claim_s must be >= 0, got {event.claim_s}")
+        r = WriterRoom(event.room, event.num_tokens, event.decode_tp, event.deadline, targets, prompt=event.prompt,
+                       claim_s=event.claim_s)  # fmt: skip
         if event.decode_tp and not r.targets:  # every head this rank holds is written by a replica
             self._succeed(r, _T.ATTACH_NOTHING)
             return
@@ -169,7 +172,15 @@ class PrefillEndpoint(EndpointCore):
             r.ready = end
             r.pages = event.pages
         r.scheduled = max(r.scheduled, end)
+        self._await_claim(r)
         self._pump(r)
+
+    def _await_claim(self, r: WriterRoom) -> None:
+        """A room computed whole, with a claim time and no decode rank yet, fails "unclaimed" after it."""
+        if r.claim_s and r.claim_by is None and r.ready == r.num_tokens and not r.links:
+            r.claim_by = self._now + r.claim_s
+            if r.claim_by < r.deadline:
+                self._deadlines.push(r.claim_by, r.room)
 
     def _on_abort_room(self, event: AbortRoom) -> None:
         if event.room not in self._rooms and event.room not in self._closed:
@@ -460,6 +471,11 @@ class PrefillEndpoint(EndpointCore):
         self._request("ready", peer_id, ChunkReady(room=r.room, chunk=index, epoch=chunk.region.epoch), index)
         self._pump_link(r, link)
 
+    def _dead_after_s(self) -> float:
+        """Every peer of a prefill rank is a decode rank (or a stranger): it may be declared dead sooner than a writer
+        (`Timing.decode_dead_after_s`), since none of its writes can land here."""
+        return self.timing.decode_dead_after_s
+
     def _room_deadline(self, room: int) -> float:
         r = self._rooms.get(room)
         if r is not None:
@@ -469,14 +485,21 @@ class PrefillEndpoint(EndpointCore):
     def _deadline_live(self, when: float, room: int) -> bool:
         r = self._rooms.get(room)
         if r is not None:
-            return PREFILL_ROOM.can(r, _T.FAIL) and r.deadline == when
+            return PREFILL_ROOM.can(r, _T.FAIL) and (r.deadline == when or self._unclaimed_at(r, when))
         return any(expires == when for _, expires in self._pending.get(room, {}).values())
+
+    @staticmethod
+    def _unclaimed_at(r: WriterRoom, when: float) -> bool:
+        """Whether `when` is `r`'s claim alarm and no decode rank has taken the room since it was set."""
+        return r.claim_by == when and not r.links
 
     def _on_deadline(self, when: float, room: int) -> None:
         r = self._rooms.get(room)
         if r is not None:
             if PREFILL_ROOM.can(r, _T.FAIL) and r.deadline == when:
                 self._fail(r, reasons.TIMEOUT)
+            elif PREFILL_ROOM.can(r, _T.FAIL) and self._unclaimed_at(r, when):
+                self._fail(r, reasons.UNCLAIMED)
             return
         entries = self._pending.get(room)
         for peer_id, (_, expires) in list((entries or {}).items()):

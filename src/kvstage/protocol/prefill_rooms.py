@@ -91,3 +91,5 @@ class WriterRoom:
     lost: dict[str, None] = field(default_factory=dict)  # decode peers gone: no Abort to them
     awaiting: dict[str, None] = field(default_factory=dict)  # decode peers our Abort waits on
     prompt: bytes = b""  # digest of the prompt the engine computes (empty: unchecked)
+    claim_s: float = 0.0  # how long a computed room waits for its first decode rank (0: until its deadline)
+    claim_by: float | None = None  # when it fails "unclaimed" if no decode rank took it (set once computed)

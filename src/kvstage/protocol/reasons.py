@@ -25,6 +25,7 @@ ROOM_CLOSED: Final = "room closed"  # decode no longer serves the room (it ended
 BAD_METADATA: Final = "bad metadata"  # metadata disagrees with the room or with this endpoint's layout
 PROTOCOL_VIOLATION: Final = "protocol violation"  # the peer answered with something impossible for the room
 OVERLOADED: Final = "overloaded"  # the peer refused the room: its per-peer room cap is reached
+UNCLAIMED: Final = "unclaimed"  # prefill computed the room's KV and no decode rank took it within AttachRoom.claim_s
 INVALID_REQUEST: Final = "invalid request"  # runtime/ refused the engine's call (bad pages, ...); endpoints never
 # use it: they raise InvalidRequest, and the runtime turns that into this failure
 
@@ -45,6 +46,7 @@ FAILURE_REASONS: Final = frozenset(
         BAD_METADATA,
         PROTOCOL_VIOLATION,
         OVERLOADED,
+        UNCLAIMED,
         INVALID_REQUEST,
     }
 )

@@ -156,11 +156,14 @@ class PrefillAgent(BaseAgent):
 
     # ---- engine-facing -----------------------------------------------------------------------------------
 
-    def attach_room(self, room: int, num_tokens: int, decode_tp: int, timeout_s: float, prompt: bytes = b"") -> None:
+    def attach_room(
+        self, room: int, num_tokens: int, decode_tp: int, timeout_s: float, prompt: bytes = b"", claim_s: float = 0.0
+    ) -> None:
         """This rank computes `room` (`num_tokens` tokens, whose digest is `prompt`; empty: unchecked) for a decode
         instance of TP `decode_tp` (0: not known yet, the first decode rank's Metadata says it; the room holds its
-        pages until decode's ranks attach or `timeout_s` has passed)."""
-        self._mailbox.put(AttachRoom(room, num_tokens, decode_tp, time.monotonic() + timeout_s, prompt))
+        pages until decode's ranks attach or `timeout_s` has passed, and with `claim_s` > 0 no longer than `claim_s`
+        after the whole prompt is computed: then it fails "unclaimed")."""
+        self._mailbox.put(AttachRoom(room, num_tokens, decode_tp, time.monotonic() + timeout_s, prompt, claim_s))
 
     def compute_scheduled(self, room: int, end_tokens: int) -> None:
         """The next forward pass computes tokens [.., end_tokens) of `room`: staging is requested for them (R11)."""
@@ -352,10 +355,10 @@ class PrefillAgent(BaseAgent):
 
     def _retry_unresolved(self) -> None:
         """Re-issue writes whose decode record has arrived, or whose peer's import has landed; fail those that
-        waited past the liveness timeout with no import of their peer under way (one under way is waited for: it
+        waited past decode's liveness timeout with no import of their peer under way (one under way is waited for: it
         ends, or the peer's fence drops it)."""
         waiting, self._unresolved = self._unresolved, []
-        expired = time.monotonic() - self.config.timing.dead_after_s
+        expired = time.monotonic() - self.config.timing.decode_dead_after_s
         for since, action in waiting:
             target = self.imports.target(action)
             if target is not None and target[0] >= action.dst_session:

@@ -14,6 +14,7 @@ from urllib.parse import urlsplit
 
 from kvstage.errors import ConfigError
 from kvstage.layout import ceil_div
+from kvstage.protocol import Timing
 
 BACKENDS = ("local", "cuda_ipc", "mooncake", "nixl")
 _KINDS: dict[str, type] = {"str": str, "int": int, "float": float}
@@ -40,7 +41,18 @@ class ConnectorSettings:
     - `room_timeout_s`: a request's KV handoff ends, with success or a stated failure, by this deadline.
     - `dead_after_s`: a peer rank silent this long is dead (its rooms fail, vLLM recomputes). Longer than the
       protocol's 5 s default: a vLLM worker can be unresponsive for seconds (compilation, a TP rank scheduled
-      late on a busy CPU host), and a false "peer dead" costs a recompute. Heartbeats go every tenth of it.
+      late on a busy CPU host), and a false "peer dead" costs a recompute.
+    - `decode_dead_after_s` (prefill): a decode rank silent this long is dead: its rooms fail and vLLM frees the
+      blocks prefill held for them. Shorter than `dead_after_s`, because blocks held for a dead decode are blocks
+      no new prompt can use (in vLLM's sequential flow prefill holds a finished request's blocks until decode takes
+      its KV), and because nothing of decode's lands in prefill's memory, so no quarantine bounds it from below. A
+      decode rank declared dead while alive (its agent's thread stalled this long) loses its rooms with this
+      prefill: decode recomputes those prompts. Heartbeats go every `heartbeat_s` seconds (below), both ways.
+    - `claim_timeout_s` (prefill, vLLM's sequential flow): once prefill has computed a prompt, it holds the blocks
+      this long at most for a decode rank to take the room; then the room fails ("unclaimed") and vLLM frees them.
+      A decode request that never came (the proxy dropped it, decode's vLLM refused it) costs its prompt's blocks
+      this long, not `room_timeout_s`. Raise it where decode's queue can keep a request waiting longer: decode
+      takes the room when its scheduler admits the request, and a room taken after this recomputes on decode.
     - `report_dir`: when set, each rank appends per-page digests of the KV it sent or received, and its
       transfer counters, to a file there (the demo's checks). Off by default: it reads every byte once more.
     - `url`: this instance's OpenAI base URL as clients reach it (`http://HOST:PORT`), published with its ranks'
@@ -63,6 +75,8 @@ class ConnectorSettings:
     staging_mib: int = 64
     room_timeout_s: float = 120.0
     dead_after_s: float = 20.0
+    decode_dead_after_s: float = 4.0
+    claim_timeout_s: float = 30.0
     report_dir: str = ""
     secret_file: str = ""
     url: str = ""
@@ -82,7 +96,7 @@ class ConnectorSettings:
             raise ConfigError(f"kvstage: 'ring_canary' must be 0 or 1, got {self.ring_canary!r}")
         if self.chunk_tokens < 0:
             raise ConfigError(f"kvstage: 'chunk_tokens' must be 0 (automatic) or positive, got {self.chunk_tokens}")
-        for name in ("room_timeout_s", "dead_after_s"):
+        for name in ("room_timeout_s", "dead_after_s", "decode_dead_after_s", "claim_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"kvstage: {name!r} must be positive, got {getattr(self, name)!r}")
 
@@ -103,6 +117,17 @@ class ConnectorSettings:
             except (TypeError, ValueError) as exc:
                 raise ConfigError(f"kvstage: {name!r} must be a {kind.__name__}, got {value!r}") from exc
         return cls(**values)
+
+    @property
+    def heartbeat_s(self) -> float:
+        """How often a rank heartbeats each peer: often enough for `dead_after_s` (10 per period) and for a prefill's
+        `decode_dead_after_s` of the same value as this instance's (8 per period)."""
+        return min(self.dead_after_s / 10, self.decode_dead_after_s / 8)
+
+    def timing(self) -> Timing:
+        """The protocol timing of this instance's ranks."""
+        return Timing(heartbeat_s=self.heartbeat_s, dead_after_s=self.dead_after_s,
+                      decode_dead_after_s=self.decode_dead_after_s)  # fmt: skip
 
     def chunk_tokens_for(self, block_size: int) -> int:
         """The staging grid for vLLM's block size: the setting, or the smallest block multiple >= 256 tokens."""

@@ -44,7 +44,6 @@ from kvstage.integrations.vllm.metadata import ComputeStep, ExpectRoom, StepReco
 from kvstage.integrations.vllm.report import RankReport, span_digests
 from kvstage.integrations.vllm.settings import ConnectorSettings
 from kvstage.layout import KVLayout, heads_of_rank, latent_layout
-from kvstage.protocol import Timing
 from kvstage.runtime import AgentConfig, DecodeAgent, PrefillAgent, peer_id
 from kvstage.transport.auth import load_secret
 from kvstage.transport.data import TransportConfig
@@ -140,7 +139,7 @@ class WorkerSide:
             ring_bytes=s.ring_mib << 20,
             ring_canary=bool(s.ring_canary),
             staging_bytes=s.staging_mib << 20,
-            timing=Timing(heartbeat_s=s.dead_after_s / 10, dead_after_s=s.dead_after_s),
+            timing=s.timing(),
             secret=load_secret(s.secret_file or None),
             url=s.url.rstrip("/"),
         )
@@ -243,7 +242,9 @@ class WorkerSide:
         assert isinstance(agent, PrefillAgent)
         log.debug("room %d: computing tokens up to %d of %d", step.room, step.end_tokens, step.num_tokens)
         if step.first:
-            agent.attach_room(step.room, step.num_tokens, step.peer_tp, self._settings.room_timeout_s, step.prompt)
+            claim_s = 0.0 if step.peer_tp else self._settings.claim_timeout_s  # sequential flow: decode not known
+            agent.attach_room(step.room, step.num_tokens, step.peer_tp, self._settings.room_timeout_s, step.prompt,
+                              claim_s)  # fmt: skip
             self._open(step.room, _Room(step.req_id, step.num_tokens, 0, step.blocks))
         if step.room in self._rooms:
             agent.compute_scheduled(step.room, step.end_tokens)
