@@ -78,6 +78,14 @@ class Peer:
     stamp_seen: float | None = None  # highest stamp heard from its current incarnation: the echo we send it
     echo: float | None = None  # latest of our own stamps that its current incarnation echoed: our lease base
 
+    def raise_watermark(self, watermark: WireWatermark | None) -> bool:
+        """Prefill side: take `watermark` if it is higher than the highest seen; whether it was."""
+        seen = self.watermark
+        if watermark is None or (seen is not None and (watermark.round, watermark.tail) <= (seen.round, seen.tail)):
+            return False
+        self.watermark = Watermark(watermark.round, watermark.tail)
+        return True
+
 
 @dataclass(frozen=True, slots=True)
 class FenceRecord:

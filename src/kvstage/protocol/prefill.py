@@ -39,7 +39,6 @@ from kvstage.protocol.messages import (
     Metadata,
     MetadataAck,
     StagingRequest,
-    WireWatermark,
 )
 from kvstage.protocol.metadata import attached_metadata_problem, metadata_problem
 from kvstage.protocol.plans import transfers_of_writer
@@ -121,15 +120,14 @@ class PrefillEndpoint(EndpointCore):
             self._out.append(RoomFailed(event.room, reason))
             self._abort_pending(event.room, reason)  # other decode ranks of the room learn it now
             return
-        if event.num_tokens < 1:
-            raise InvalidRequest(f"room {event.room}: num_tokens must be positive, got {event.num_tokens}")
+        if event.num_tokens < 1 or event.claim_s < 0:
+            raise InvalidRequest(f"room {event.room}: num_tokens must be positive and claim_s >= 0, got "
+                                 f"{event.num_tokens} and {event.claim_s}")  # fmt: skip
         try:
             targets = self._targets(event.room, event.decode_tp)
         except ConfigError as exc:
             raise InvalidRequest(f"room {event.room}: decode_tp={event.decode_tp} is unusable: {exc}") from exc
         self.stats.rooms_opened += 1
-        if event.claim_s < 0:
-            raise InvalidRequest(f"room {event.room}: claim_s must be >= 0, got {event.claim_s}")
         r = WriterRoom(event.room, event.num_tokens, event.decode_tp, event.deadline, targets, prompt=event.prompt,
                        claim_s=event.claim_s)  # fmt: skip
         if event.decode_tp and not r.targets:  # every head this rank holds is written by a replica
@@ -172,15 +170,9 @@ class PrefillEndpoint(EndpointCore):
             r.ready = end
             r.pages = event.pages
         r.scheduled = max(r.scheduled, end)
-        self._await_claim(r)
+        if (claim_by := r.await_claim(self._now)) is not None:
+            self._deadlines.push(claim_by, r.room)
         self._pump(r)
-
-    def _await_claim(self, r: WriterRoom) -> None:
-        """A room computed whole, with a claim time and no decode rank yet, fails "unclaimed" after it."""
-        if r.claim_s and r.claim_by is None and r.ready == r.num_tokens and not r.links:
-            r.claim_by = self._now + r.claim_s
-            if r.claim_by < r.deadline:
-                self._deadlines.push(r.claim_by, r.room)
 
     def _on_abort_room(self, event: AbortRoom) -> None:
         if event.room not in self._rooms and event.room not in self._closed:
@@ -360,7 +352,7 @@ class PrefillEndpoint(EndpointCore):
     def _on_heard(self, peer: Peer, envelope: Envelope) -> None:
         """R9/R13: a higher watermark, or a renewed lease, may make parked chunks writable: re-check them in grant
         order."""
-        if not (self._watermark_rose(peer, envelope.watermark) or (peer.lease_parked and self._leased(peer))):
+        if not (peer.raise_watermark(envelope.watermark) or (peer.lease_parked and self._leased(peer))):
             return
         peer.lease_parked = False
         for room, index in list(peer.parked):  # a parked chunk is GRANTED; it leaves when written or failed
@@ -368,14 +360,6 @@ class PrefillEndpoint(EndpointCore):
             assert found is not None, f"chunk {index} of room {room} is parked, but the room is not active"
             r, link = found
             self._try_write(r, link, index, link.chunks[index])
-
-    @staticmethod
-    def _watermark_rose(peer: Peer, watermark: WireWatermark | None) -> bool:
-        seen = peer.watermark
-        if watermark is None or (seen is not None and (watermark.round, watermark.tail) <= (seen.round, seen.tail)):
-            return False
-        peer.watermark = Watermark(watermark.round, watermark.tail)
-        return True
 
     def _leased(self, peer: Peer) -> bool:
         return self._now < self.lease_until(peer.peer_id)
@@ -472,9 +456,7 @@ class PrefillEndpoint(EndpointCore):
         self._pump_link(r, link)
 
     def _dead_after_s(self) -> float:
-        """Every peer of a prefill rank is a decode rank (or a stranger): it may be declared dead sooner than a writer
-        (`Timing.decode_dead_after_s`), since none of its writes can land here."""
-        return self.timing.decode_dead_after_s
+        return self.timing.decode_dead_after_s  # every peer is a decode rank (or a stranger): no write lands here
 
     def _room_deadline(self, room: int) -> float:
         r = self._rooms.get(room)
@@ -485,21 +467,14 @@ class PrefillEndpoint(EndpointCore):
     def _deadline_live(self, when: float, room: int) -> bool:
         r = self._rooms.get(room)
         if r is not None:
-            return PREFILL_ROOM.can(r, _T.FAIL) and (r.deadline == when or self._unclaimed_at(r, when))
+            return PREFILL_ROOM.can(r, _T.FAIL) and r.alarm(when) is not None
         return any(expires == when for _, expires in self._pending.get(room, {}).values())
-
-    @staticmethod
-    def _unclaimed_at(r: WriterRoom, when: float) -> bool:
-        """Whether `when` is `r`'s claim alarm and no decode rank has taken the room since it was set."""
-        return r.claim_by == when and not r.links
 
     def _on_deadline(self, when: float, room: int) -> None:
         r = self._rooms.get(room)
         if r is not None:
-            if PREFILL_ROOM.can(r, _T.FAIL) and r.deadline == when:
-                self._fail(r, reasons.TIMEOUT)
-            elif PREFILL_ROOM.can(r, _T.FAIL) and self._unclaimed_at(r, when):
-                self._fail(r, reasons.UNCLAIMED)
+            if PREFILL_ROOM.can(r, _T.FAIL) and (reason := r.alarm(when)) is not None:
+                self._fail(r, reason)
             return
         entries = self._pending.get(room)
         for peer_id, (_, expires) in list((entries or {}).items()):

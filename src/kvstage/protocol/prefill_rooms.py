@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvstage.layout import Chunk, ChunkGrid, HeadTransfer, StagingPlan, replica_turn
+from kvstage.protocol import reasons
 from kvstage.protocol.config import PrefillConfig
 from kvstage.protocol.messages import DIRECT, Metadata
 from kvstage.protocol.plans import staging_plan, transfers_of_writer
@@ -93,3 +94,20 @@ class WriterRoom:
     prompt: bytes = b""  # digest of the prompt the engine computes (empty: unchecked)
     claim_s: float = 0.0  # how long a computed room waits for its first decode rank (0: until its deadline)
     claim_by: float | None = None  # when it fails "unclaimed" if no decode rank took it (set once computed)
+
+    def await_claim(self, now: float) -> float | None:
+        """The room's KV may have just been computed whole: when it fails "unclaimed" if no decode rank has taken it
+        by then (an alarm to set), or None (no claim time, already set, taken, or not before its deadline)."""
+        if not self.claim_s or self.claim_by is not None or self.ready < self.num_tokens or self.links:
+            return None
+        self.claim_by = now + self.claim_s
+        return self.claim_by if self.claim_by < self.deadline else None
+
+    def alarm(self, when: float) -> str | None:
+        """Why the room fails at its alarm for `when`: its deadline, or its claim time with no decode rank linked;
+        None for an alarm that no longer matters."""
+        if self.deadline == when:
+            return reasons.TIMEOUT
+        if self.claim_by == when and not self.links:
+            return reasons.UNCLAIMED
+        return None

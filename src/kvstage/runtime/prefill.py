@@ -7,26 +7,24 @@ looked up once per `kv_ready`, on the reactor). Staged path: gather the chunk's 
 the reactor on the agent's stream after the engine's KV-ready event (on the CPU: copied in place), taking a view of
 the room's slots, then one bulk write into the decode ring: queued at once behind the gather on the device where the
 transport orders writes there (cuda_ipc: no host wait between the two), else posted once the gather's fence is
-done (polled each turn). Direct path (matched TP):
-one write per contiguous run, straight into the decode rank's KV: of each (layer, K/V, page) slice between
-`KVPool`s, of whole (layer, block)s between engines' own KV caches in vLLM's CPU format (dataplane/engine_blocks.py,
-one prepared list of runs per chunk); a direct write between unlike layouts fails its room with the reason.
+done (polled each turn). Direct path (matched TP): one write per contiguous run, straight into the decode rank's KV:
+of each (layer, K/V, page) slice between `KVPool`s, of whole (layer, block)s between engines' own KV caches in
+vLLM's CPU format (dataplane/engine_blocks.py, one prepared list of runs per chunk); a direct write between unlike
+layouts fails its room with the reason.
 
-Invariants: a gather starts only once its staging slot no longer overlaps a write still in flight; a write goes
-only into memory of the decode session that granted it (`dst_session`), never into the ring or pool of a
-restarted incarnation (a grant from a newer session waits, bounded by the liveness timeout, for that session's
-record); a write is posted only while `endpoint.may_post` holds (R13: this writer's lease towards its decode
-peer, re-checked at the moment of posting, and the epoch the write was emitted under still current; a write waits
-for a lapsed lease, as does one its transport refused for one before any byte moved, and fails unposted once the
-peer is fenced or has fenced this writer's epoch); every write ends in exactly one Completion, queued ones
-included (a completion frees its peer's window for the next); a decode peer's descriptors are imported on the
-importer thread, never on the reactor (NIXL connects inside an import, seen blocking 11 s), and writes to it
-wait for them (imports.py); a decode peer that still answers while a write to it fails as disconnected, on a
-backend that connects only at import (NIXL), has its imports dropped once no write to it is in flight, and made
-again at a later write, at most once per IMPORT_RETRY_S (`_reconnect`); a room's slots are kept only while the
-endpoint holds the room ACTIVE and dropped with its outcome, and a gather uses them only for the very pages its
-write names.
-Called by prefill engines through `kvstage.runtime`.
+Invariants: a gather starts only once its staging slot no longer overlaps a write still in flight; a write goes only
+into memory of the decode session that granted it (`dst_session`), never into the ring or pool of a restarted
+incarnation (a grant from a newer session waits, bounded by decode's liveness timeout, for that session's record); a
+write is posted only while `endpoint.may_post` holds (R13: this writer's lease towards its decode peer, re-checked at
+the moment of posting, and the epoch the write was emitted under still current; a write waits for a lapsed lease, as
+does one its transport refused for one before any byte moved, and fails unposted once the peer is fenced or has
+fenced this writer's epoch); every write ends in exactly one Completion, queued ones included (a completion frees its
+peer's window for the next); a decode peer's descriptors are imported on the importer thread, never on the reactor
+(NIXL connects inside an import, seen blocking 11 s), and writes to it wait for them (imports.py); a decode peer that
+still answers while a write to it fails as disconnected, on a backend that connects only at import (NIXL), has its
+imports dropped once no write to it is in flight, and made again at a later write, at most once per IMPORT_RETRY_S
+(`_reconnect`); a room's slots are kept only while the endpoint holds the room ACTIVE and dropped with its outcome,
+and a gather uses them only for the very pages its write names. Called by prefill engines through `kvstage.runtime`.
 """
 
 from __future__ import annotations
@@ -160,9 +158,8 @@ class PrefillAgent(BaseAgent):
         self, room: int, num_tokens: int, decode_tp: int, timeout_s: float, prompt: bytes = b"", claim_s: float = 0.0
     ) -> None:
         """This rank computes `room` (`num_tokens` tokens, whose digest is `prompt`; empty: unchecked) for a decode
-        instance of TP `decode_tp` (0: not known yet, the first decode rank's Metadata says it; the room holds its
-        pages until decode's ranks attach or `timeout_s` has passed, and with `claim_s` > 0 no longer than `claim_s`
-        after the whole prompt is computed: then it fails "unclaimed")."""
+        instance of TP `decode_tp` (0: not known yet; the room holds its pages until decode's ranks attach, for
+        `timeout_s` at most, and for `claim_s` > 0 at most that long after the prompt is computed: AttachRoom)."""
         self._mailbox.put(AttachRoom(room, num_tokens, decode_tp, time.monotonic() + timeout_s, prompt, claim_s))
 
     def compute_scheduled(self, room: int, end_tokens: int) -> None:
