@@ -254,6 +254,8 @@ class VLLMServerSpec:
                 str(self.tp),
                 "--kv-transfer-config",
                 json.dumps(self.kv_transfer_config()),
+                "--middleware",  # requests from sglang-router carry their room in fields only it sends
+                f"kvstage.integrations.vllm.sglang_router.{self.role.capitalize()}BehindSGLangRouter",
                 *(("--enforce-eager",) if self.enforce_eager else ()),
                 *self.extra_args,
             ]
@@ -270,6 +272,7 @@ class VLLMServerSpec:
             "VLLM_CPU_OMP_THREADS_BIND": "nobind",
             "OMP_NUM_THREADS": "1",
             "KVSTAGE_VLLM_NO_SPIN": "1",
+            "KVSTAGE_BOOTSTRAP": self.bootstrap,  # where decode's middleware finds sglang-router's prefill
             **self.placement.env(),
             **dict(self.extra_env),
         }

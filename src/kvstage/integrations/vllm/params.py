@@ -5,9 +5,11 @@ whose kvstage keys are malformed is refused with a reason and runs without kvsta
 `handoff_params` (prefill's answer in vLLM's sequential flow), `prompt_digest` and `child_room`.
 
 Two flows name a room. kvstage's router draws it and sends both sides at once (`kvstage_room`, `kvstage_peer`,
-`kvstage_peer_tp`). vLLM's sequential flow sends prefill `{"do_remote_decode": true}` alone (`REMOTE_DECODE`:
+`kvstage_peer_tp`). vLLM's sequential flow sends prefill `{"do_remote_decode": true}` alone (`RemoteDecode`:
 prefill draws the room, and decode's TP size comes with decode's Metadata), then hands decode what prefill answered
-(`handoff_params`: `do_remote_prefill`, the room, and prefill's instance and TP size).
+(`handoff_params`: `do_remote_prefill`, the room, and prefill's instance and TP size). Behind sglang-router
+(sglang_router.py) prefill gets `{"do_remote_decode": true, "kvstage_room": R}`: the same, in the router's room R,
+while decode gets the router's flow's keys.
 
 vLLM turns one client request into several engine requests (`n > 1`, a list of prompts) that all carry the same
 params; each gets a room of its own, derived from the router's room, the digest of its prompt and its place among
@@ -59,15 +61,15 @@ class RoomParams:
 
 @dataclass(frozen=True, slots=True)
 class RemoteDecode:
-    """A prefill request of vLLM's sequential flow: compute the prompt and hold its KV for a decode not known yet."""
+    """A prefill request of vLLM's sequential flow: compute the prompt and hold its KV for a decode not known yet,
+    in room `room` (0: prefill draws one)."""
 
-
-REMOTE_DECODE: Final = RemoteDecode()
+    room: int = 0
 
 
 def parse_params(params: object, producer: bool) -> RoomParams | RemoteDecode | str | None:
     """What a request's `kv_transfer_params` ask of this instance (a prefill one when `producer`): `RoomParams`,
-    `REMOTE_DECODE`, None for a request that asks nothing of kvstage, or why they are unusable."""
+    `RemoteDecode`, None for a request that asks nothing of kvstage, or why they are unusable."""
     if not isinstance(params, Mapping):
         return None
     remote_decode, remote_prefill = params.get(REMOTE_DECODE_KEY, False), params.get(REMOTE_PREFILL_KEY, False)
@@ -75,7 +77,7 @@ def parse_params(params: object, producer: bool) -> RoomParams | RemoteDecode | 
         if not isinstance(flag, bool):
             return f"{key} must be true or false, got {_short(flag)}"
     if remote_decode:
-        return _remote_decode_problem(params, producer, remote_prefill) or REMOTE_DECODE
+        return _remote_decode(params, producer, remote_prefill)
     if ROOM_KEY not in params:
         return f"{REMOTE_PREFILL_KEY} without {ROOM_KEY}: not a kvstage prefill's answer" if remote_prefill else None
     if remote_prefill and producer:
@@ -83,14 +85,19 @@ def parse_params(params: object, producer: bool) -> RoomParams | RemoteDecode | 
     return _room_params(params)
 
 
-def _remote_decode_problem(params: Mapping[object, object], producer: bool, remote_prefill: bool) -> str | None:
+def _remote_decode(params: Mapping[object, object], producer: bool, remote_prefill: bool) -> RemoteDecode | str:
     if not producer:
         return f"{REMOTE_DECODE_KEY} sent to a decode instance (kv_consumer)"
     if remote_prefill:
         return f"{REMOTE_DECODE_KEY} and {REMOTE_PREFILL_KEY} both true"
-    if ROOM_KEY in params:
-        return f"{REMOTE_DECODE_KEY} with {ROOM_KEY}: a request follows the router's flow or vLLM's, not both"
-    return None
+    if ROOM_KEY not in params:
+        return RemoteDecode()
+    if PEER_KEY in params or PEER_TP_KEY in params:
+        return f"{REMOTE_DECODE_KEY} with {PEER_KEY}: a request follows the router's flow or vLLM's, not both"
+    room = params[ROOM_KEY]
+    if not _is_int(room) or not 0 < room <= MAX_ROOM:
+        return f"{ROOM_KEY} must be an integer in [1, 2**63), got {_short(room)}"
+    return RemoteDecode(room)
 
 
 def _room_params(params: Mapping[object, object]) -> RoomParams | str:

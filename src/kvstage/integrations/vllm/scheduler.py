@@ -154,7 +154,7 @@ class SchedulerSide:
             return self._tickets[req_id]
         parsed = parse_params(request.kv_transfer_params, self._producer)
         if isinstance(parsed, RemoteDecode):
-            parsed = self._sequential_room()
+            parsed = self._sequential_room(parsed.room)
         ticket = None
         if isinstance(parsed, str):
             self.errors["bad params"] += 1
@@ -171,11 +171,11 @@ class SchedulerSide:
         self._tickets[req_id] = ticket
         return ticket
 
-    def _sequential_room(self) -> RoomParams | str:
-        """A prefill request of vLLM's sequential flow: a room of its own, for a decode not known yet."""
+    def _sequential_room(self, room: int) -> RoomParams | str:
+        """A prefill request of vLLM's sequential flow: room `room` (0: one drawn here), for a decode not known yet."""
         if self._instance.no_sequential:
             return f"do_remote_decode: {self._instance.no_sequential}"
-        return RoomParams(secrets.randbelow(MAX_ROOM) + 1, "", 0)
+        return RoomParams(room or secrets.randbelow(MAX_ROOM) + 1, "", 0)
 
     def _release_ticket(self, req_id: str) -> Ticket | None:
         """The finished request's ticket, forgotten (its siblings' count moves to the finished groups once the last
