@@ -301,6 +301,7 @@ BAD_SEQUENTIAL: dict[str, tuple[str, dict[str, object]]] = {
     "flag-str": ("prefill", {"do_remote_decode": "yes"}),
     "both-flows": ("prefill", {"do_remote_decode": True, "kvstage_room": 5, "kvstage_peer": "D", "kvstage_peer_tp": 1}),
     "both-flags": ("prefill", {"do_remote_decode": True, "do_remote_prefill": True}),
+    "router-room-zero": ("prefill", {"do_remote_decode": True, "kvstage_room": 0}),  # sglang-router's, turned
     "answer-to-prefill": (
         "prefill",
         {"do_remote_prefill": True, "kvstage_room": 5, "kvstage_peer": "P", "kvstage_peer_tp": 2},
