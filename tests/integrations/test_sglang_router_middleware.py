@@ -15,14 +15,22 @@ import anyio
 import httpx
 import pytest
 from fastapi import FastAPI, Request
-from tests.transport.test_discovery import record
 
 from kvstage.integrations.vllm.params import parse_params
 from kvstage.integrations.vllm.sglang_router import DecodeBehindSGLangRouter, PrefillBehindSGLangRouter
-from kvstage.transport.bootstrap import BootstrapClient, BootstrapServer
+from kvstage.layout import KVLayout
+from kvstage.transport.bootstrap import BootstrapClient, BootstrapServer, LayoutRecord, PeerRecord
 
 ROOM = 1812142526926113449
 ROUTED = {"bootstrap_host": "10.0.0.2", "bootstrap_port": 8100, "bootstrap_room": ROOM}
+
+
+def record(instance: str, role: str, tp: int, rank: int, url: str) -> PeerRecord:
+    """A rank's bootstrap record, as the connector publishes it with its `url` setting."""
+    layout = LayoutRecord.of(KVLayout(num_layers=2, num_kv_heads=4, head_dim=8, dtype="float32", page_size=16))
+    return PeerRecord(peer_id=f"{instance}-{rank}", role=role, instance=instance, tp_size=tp,  # type: ignore[arg-type]
+                      rank=rank, layout=layout, control_address="tcp://127.0.0.1:1", backend="local", session=1,
+                      url=url)  # fmt: skip
 
 
 def _echo() -> FastAPI:
