@@ -47,13 +47,28 @@ def _place(args: Any, mode: Any, server_args: Any) -> RankPlace:
     return RankPlace(role, instance, max(tp, 1), int(args.engine_rank) % max(tp, 1), f"{host}:{port}", device)
 
 
+def _fill_kv_heads(args: Any, tp_size: int, is_mla: bool) -> None:
+    """Set `kv_head_num` / `total_kv_head_num` where sglang left them unset. sglang 0.5.23's prefill bootstrap queue
+    sets both; its decode prealloc queue sets neither (only its staging-buffer path does, after the manager is
+    built), so decode takes them from the process's model config, as sglang sizes its KV pool
+    (`get_num_kv_heads(attention TP)`)."""
+    if is_mla or (getattr(args, "kv_head_num", None) and getattr(args, "total_kv_head_num", None)):
+        return
+    from sglang.srt.runtime_context import process_model_config
+
+    model_config = process_model_config()
+    args.total_kv_head_num = int(model_config.get_total_num_kv_heads())
+    args.kv_head_num = int(model_config.get_num_kv_heads(tp_size))
+
+
 class KVStageKVManager(BaseKVManager):  # type: ignore[misc]
     """One rank's kvstage backend (`RankBackend`), built by sglang's bootstrap / prealloc queue at start."""
 
     def __init__(self, args: Any, disaggregation_mode: Any, server_args: Any, is_mla_backend: bool | None = False):
         self.kv_args = args
-        self.backend = RankBackend(_place(args, disaggregation_mode, server_args), settings_from_env(), args,
-                                   bool(is_mla_backend))  # fmt: skip
+        place = _place(args, disaggregation_mode, server_args)
+        _fill_kv_heads(args, place.tp_size, bool(is_mla_backend))
+        self.backend = RankBackend(place, settings_from_env(), args, bool(is_mla_backend))
         self.prefill_info_table = self.backend.prefill_info_table
 
     def register_to_bootstrap(self) -> None:

@@ -1,0 +1,187 @@
+"""sglang 0.5.23's real disaggregation queues on CPU, one object per rank, with the kvstage transfer backend.
+
+Each rank gets its own sglang runtime context (`create_context` from a real `ServerArgs`, rank placement from
+`SpawnRanks`), entered with `use_context` around every call into sglang, so several ranks of both instances live
+in one test process. Real sglang objects per rank: `MHATokenToKVPool` (bf16, CPU), `PagedTokenToKVPoolAllocator`,
+`ReqToTokenPool` / `DecodeReqToTokenPool`, `RadixCache` (disabled, as with `--disable-radix-cache`),
+`MetadataBuffers`, `ReqToMetadataIdxAllocator`, `PrefillBootstrapQueue`, `DecodePreallocQueue`,
+`DecodeTransferQueue`, and the scheduler's prefill mixin (`SchedulerDisaggregationPrefillMixin`: `send_kv_chunk`,
+`process_disagg_prefill_inflight_queue`). The stand-ins are listed in test_sglang_queues.py's docstring.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+LAYERS, HEADS, DIM, PAGE = 2, 4, 8, 4
+POOL_TOKENS, REQ_ROWS, META_ROWS, CONTEXT_LEN = 512, 8, 8, 256
+
+
+def init_world() -> None:
+    """sglang all-reduces poll states over its TP CPU group; one process here, so a gloo world of one."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+
+
+class _Streamer:
+    """Stand-in for the scheduler's output streamer (it talks to the tokenizer process): records what is sent."""
+
+    def __init__(self) -> None:
+        self.sent: list[Any] = []
+
+    def stream_output(self, reqs: list[Any], *args: Any, **kwargs: Any) -> None:
+        self.sent.extend(reqs)
+
+
+MODEL_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "vocab_size": 256,
+                "intermediate_size": 128, "num_attention_heads": 8, "num_key_value_heads": HEADS, "head_dim": DIM,
+                "num_hidden_layers": LAYERS, "max_position_embeddings": 1024, "torch_dtype": "bfloat16"}  # fmt: skip
+
+
+def write_model(directory: Path) -> str:
+    """A model directory with only an HF config (no weights, no tokenizer): what sglang's `ModelConfig` reads."""
+    (directory / "config.json").write_text(json.dumps(MODEL_CONFIG))
+    return str(directory)
+
+
+def _scheduler_fields(server_args: Any, tp: int, pool: Any, allocator: Any, req_pool: Any, tree: Any) -> dict:
+    """What the queues read of sglang's `Scheduler` (its model config is sglang's real `ModelConfig`)."""
+    from sglang.srt.runtime_context import process_model_config
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    model_config = process_model_config()
+    runner = SimpleNamespace(kv_cache_dtype_str="bfloat16", effective_logical_max_total_num_tokens=POOL_TOKENS,
+                             swa_max_total_num_tokens=POOL_TOKENS)  # fmt: skip
+    return dict(
+        server_args=server_args, tp_size=tp, model_config=model_config, rust_server=None, kv_shard_widening=1,
+        tp_worker=SimpleNamespace(model_runner=runner, is_hybrid_swa=False), token_to_kv_pool_allocator=allocator,
+        req_to_token_pool=req_pool, tree_cache=tree, attn_cp_cpu_group=None, attn_tp_cpu_group=None,
+        output_streamer=_Streamer(), metrics_reporter=SimpleNamespace(enable_metrics=False),
+        enable_overlap=False, enable_staging=False, enable_hisparse=False, enable_lora=False,
+        enable_decode_hicache=False, enable_priority_scheduling=False, random_seed=0, waiting_queue=[],
+        running_batch=SimpleNamespace(reqs=[]), spec_algorithm=SpeculativeAlgorithm.NONE,
+        disagg_prefill_pending_chunk_rids=set(), disagg_prefill_inflight_queue=[], chunked_req=None,
+        kv_checksum_computer=None, disagg_decode_prealloc_queue=None, processed_tokens_counter=0,
+        scheduler_stage_metrics=None, last_batch=None, sliding_window_size=None,
+        batch_result_processor=SimpleNamespace(_maybe_update_reasoning_tokens=lambda *a: None),
+    )  # fmt: skip
+
+
+def _mixin() -> type:
+    from sglang.srt.disaggregation.prefill import SchedulerDisaggregationPrefillMixin
+
+    class PrefillScheduler(SchedulerDisaggregationPrefillMixin):  # type: ignore[misc]
+        """Stand-in for sglang's `Scheduler` on a prefill rank: sglang's own prefill mixin methods, over the
+        fields the queues read (a real `Scheduler` loads a model and needs a GPU)."""
+
+        def __init__(self, fields: dict) -> None:
+            self.__dict__.update(fields)
+            self.aborted: list[Any] = []
+
+        def _release_aborted_request(self, req: Any) -> None:  # Scheduler's: frees what an aborted req holds
+            self.aborted.append(req)
+
+    return PrefillScheduler
+
+
+class Rank:
+    """One sglang scheduler process's disaggregation state (prefill or decode), with its own runtime context."""
+
+    def __init__(self, model: str, mode: str, tp: int, rank: int, port: int, **server_fields: Any) -> None:
+        from sglang.srt.disaggregation.utils import MetadataBuffers, ReqToMetadataIdxAllocator, TransferBackend
+        from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+        from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+        from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+        from sglang.srt.mem_cache.radix_cache import RadixCache
+        from sglang.srt.runtime_context import SpawnRanks, create_context
+        from sglang.srt.server_args import ServerArgs
+
+        self.mode, self.tp, self.rank = mode, tp, rank
+        self.server_args = ServerArgs(model_path=model, disaggregation_mode=mode, tp_size=tp, device="cpu",
+                                      disaggregation_transfer_backend="kvstage", disaggregation_bootstrap_port=port,
+                                      skip_tokenizer_init=True, page_size=PAGE, **server_fields)  # fmt: skip
+        self.ctx = create_context(self.server_args, role="scheduler", ranks=SpawnRanks(world_rank=rank, dp_rank=None))
+        # Stand-in for sglang's attention-TP GroupCoordinator: only its gloo group is read (the world of one).
+        self.ctx.parallel.override_permanently(attn_tp_group=SimpleNamespace(cpu_group=None))
+        with self.context():
+            heads = HEADS // tp
+            self.pool = MHATokenToKVPool(size=POOL_TOKENS, page_size=PAGE, dtype=torch.bfloat16, head_num=heads,
+                                         head_dim=DIM, layer_num=LAYERS, device="cpu",
+                                         enable_memory_saver=False)  # fmt: skip
+            self.allocator = PagedTokenToKVPoolAllocator(POOL_TOKENS, PAGE, torch.bfloat16, "cpu", self.pool, False)
+            if mode == "prefill":
+                self.req_pool: Any = ReqToTokenPool(REQ_ROWS, CONTEXT_LEN, "cpu", False)
+            else:
+                from sglang.srt.disaggregation.decode import DecodeReqToTokenPool
+
+                self.req_pool = DecodeReqToTokenPool(REQ_ROWS, CONTEXT_LEN, "cpu", False, pre_alloc_size=REQ_ROWS)
+            params = CacheInitParams(disable=True, req_to_token_pool=self.req_pool,
+                                     token_to_kv_pool_allocator=self.allocator, page_size=PAGE)  # fmt: skip
+            self.tree = RadixCache(params)
+            self.meta = MetadataBuffers(META_ROWS, hidden_size=16, hidden_states_dtype=torch.bfloat16,
+                                        max_sampling_mask_tokens=16)  # fmt: skip
+            self.meta_alloc = ReqToMetadataIdxAllocator(META_ROWS)
+            fields = _scheduler_fields(self.server_args, tp, self.pool, self.allocator, self.req_pool, self.tree)
+            fields.update(disagg_metadata_buffers=self.meta, req_to_metadata_buffer_idx_allocator=self.meta_alloc)
+            backend = TransferBackend("kvstage")
+            if mode == "prefill":
+                from sglang.srt.disaggregation.prefill import PrefillBootstrapQueue
+
+                self.sched: Any = _mixin()(fields)
+                self.bootstrap = PrefillBootstrapQueue(
+                    token_to_kv_pool=self.pool, draft_token_to_kv_pool=None,
+                    req_to_metadata_buffer_idx_allocator=self.meta_alloc, metadata_buffers=self.meta, gpu_id=0,
+                    bootstrap_port=port, max_total_num_tokens=POOL_TOKENS, scheduler=self.sched,
+                    scheduler_stage_metrics=None, transfer_backend=backend,
+                )  # fmt: skip
+                self.sched.disagg_prefill_bootstrap_queue = self.bootstrap
+                self.kv_manager = self.bootstrap.kv_manager
+            else:
+                from sglang.srt.disaggregation.decode import DecodePreallocQueue, DecodeTransferQueue
+
+                self.sched = SimpleNamespace(**fields)
+                self.transfer = DecodeTransferQueue(self.meta_alloc, self.meta, self.sched, self.tree)
+                self.prealloc = DecodePreallocQueue(
+                    req_to_token_pool=self.req_pool, token_to_kv_pool_allocator=self.allocator,
+                    draft_token_to_kv_pool=None, req_to_metadata_buffer_idx_allocator=self.meta_alloc,
+                    metadata_buffers=self.meta, scheduler=self.sched, transfer_queue=self.transfer,
+                    tree_cache=self.tree, gpu_id=0, bootstrap_port=port, max_total_num_tokens=POOL_TOKENS,
+                    num_reserved_decode_tokens=0, transfer_backend=backend,
+                )  # fmt: skip
+                self.sched.disagg_decode_prealloc_queue = self.prealloc
+                self.kv_manager = self.prealloc.kv_manager
+
+    @contextmanager
+    def context(self) -> Iterator[None]:
+        from sglang.srt.runtime_context import use_context
+
+        with use_context(self.ctx):
+            yield
+
+    def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        with self.context():
+            return fn(*args, **kwargs)
+
+    @property
+    def agent(self) -> Any:
+        return self.kv_manager.backend.agent
+
+    def close(self) -> None:
+        self.kv_manager.close()
+
+
+def wait(predicate: Callable[[], Any], timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.002)
