@@ -11,7 +11,7 @@
 # metrics in $OUT/ncu_raw.csv, the key ones in the log; sharing, what N processes on one GPU cost each small
 # operation; bench_p1d1 and bench_chunk2048, the bench with 2 processes, and with 4x fewer, 4x larger chunks;
 # step_time, the vLLM connector's host time per engine step, benchmarks/connector_step_time.py; tests3, every `gpu`
-# test three times in a row; handoff_p2d1, handoff_p4d2, handoff_p4d2_c2048, the handoff scenario side by side with
+# test three times in a row (logs tests_run1..3); handoff_p2d1, handoff_p4d2, handoff_p4d2_c2048, the handoff scenario side by side with
 # the runtime of a baseline tree whose src lies in .base/ (`git archive REF src | tar -x -C .base`, its commit in
 # .base/COMMIT; carried like .whl/), 5 invocations each; HANDOFF_RUNS overrides the count).
 set -u -o pipefail
@@ -53,8 +53,8 @@ STEPS=("$@")
 for STEP in "${STEPS[@]}"; do
     case $STEP in
     tests) step tests 270 python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts="" --timeout 120 $GPU_TESTS ;;
-    tests3) step tests3 585 bash -c 'for i in 1 2 3; do echo "== run $i"; python3 -m pytest -q -m gpu \
-        -p no:cacheprovider -o addopts="" --timeout 120 '"$GPU_TESTS"' || exit 1; done' ;;
+    tests3) for i in 1 2 3; do step "tests_run$i" 290 python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts="" \
+        --timeout 120 $GPU_TESTS; done ;;
     handoff_p2d1) step handoff_p2d1 540 $HANDOFF -- $HANDOFF_ARGS --prefill-tp 2 --decode-tp 1 ;;
     handoff_p4d2) step handoff_p4d2 540 $HANDOFF -- $HANDOFF_ARGS --prefill-tp 4 --decode-tp 2 ;;
     handoff_p4d2_c2048) step handoff_p4d2_c2048 540 $HANDOFF -- $HANDOFF_ARGS --prefill-tp 4 --decode-tp 2 \
