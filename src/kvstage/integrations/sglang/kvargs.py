@@ -2,12 +2,15 @@
 very memory of sglang's KV pool, plus readers and writers of one row of its aux (metadata) buffers.
 
 Owns `RankKV` and `rank_kv`, `AuxRows`. sglang hands a transfer backend raw pointers, not tensors (`KVArgs`:
-`kv_data_ptrs` = every layer's K buffer, then every layer's V buffer, each `[slots, heads, head_dim]`;
+`kv_data_ptrs` = every layer's K buffer, then every layer's V buffer, each `[slots, heads, head_dim]`; for an MLA
+model's pool, every layer's one latent buffer `[slots, 1, kv_lora_rank + rope_dim]`, the same on every TP rank;
 `kv_item_lens` = the bytes of one page of one buffer; `aux_data_ptrs` = one buffer per aux field, a row per
-request). Tensors are made over those pointers without a copy (host memory through ctypes; CUDA through
-`__cuda_array_interface__`, not run here), and the buffers must outlive the agent, which sglang's pool does.
+request). An MLA latent is moved as kvstage moves vLLM's (`latent_layout`, format `vllm_mla`): one head every
+rank holds whole, so each decode rank takes it from one prefill rank. Tensors are made over those pointers without
+a copy (host memory through ctypes; CUDA through `__cuda_array_interface__`, not run here), and the buffers must
+outlive the agent, which sglang's pool does.
 
-Refused with `ConfigError` at start (never per request): MLA pools, hybrid state (mamba, SWA, DSA: `state_types`),
+Refused with `ConfigError` at start (never per request): hybrid state (mamba, SWA, DSA: `state_types`),
 speculative draft KV (`num_draft_entries`), pipeline parallelism, a dtype kvstage does not move, buffers whose
 lengths disagree. Pure apart from reading and writing the aux rows; called by manager.py.
 """
@@ -23,7 +26,7 @@ import torch
 from kvstage.dataplane import EngineKV
 from kvstage.dataplane.engine_kv import KVCacheFormat
 from kvstage.errors import ConfigError
-from kvstage.layout import DTYPE_BYTES, KVLayout
+from kvstage.layout import DTYPE_BYTES, KVLayout, latent_layout
 
 _DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16", "half": "float16",
            "float32": "float32", "fp32": "float32", "float": "float32", "fp8_e4m3": "float8_e4m3fn",
@@ -57,9 +60,7 @@ def host_bytes(ptr: int, nbytes: int, device: str) -> torch.Tensor:
     return torch.as_tensor(holder, device=device)
 
 
-def _refuse_unsupported(args: Any, is_mla: bool) -> None:
-    if is_mla:
-        raise ConfigError("kvstage's sglang backend moves MHA/GQA KV only; this model's pool is MLA")
+def _refuse_unsupported(args: Any) -> None:
     if getattr(args, "state_types", None):
         raise ConfigError(f"kvstage's sglang backend moves plain KV only; this pool has state {args.state_types}")
     if getattr(args, "num_draft_entries", 0):
@@ -70,8 +71,10 @@ def _refuse_unsupported(args: Any, is_mla: bool) -> None:
 
 def rank_kv(args: Any, is_mla: bool, device: str) -> RankKV:
     """The layout and `EngineKV` of sglang's `KVArgs` `args` (`device`: where the pool lives)."""
-    _refuse_unsupported(args, is_mla)
+    _refuse_unsupported(args)
     ptrs, lens, items = list(args.kv_data_ptrs), list(args.kv_data_lens), list(args.kv_item_lens)
+    if is_mla:
+        return _latent_kv(ptrs, lens, items, args, device)
     if not ptrs or len(ptrs) % 2 or len(lens) != len(ptrs) or len(items) != len(ptrs):
         raise ConfigError(f"sglang gave {len(ptrs)} KV buffers; kvstage expects K and V of every layer")
     dtype, page, heads = kv_dtype(args.kv_cache_dtype_str), int(args.page_size), int(args.kv_head_num)
@@ -89,6 +92,24 @@ def rank_kv(args: Any, is_mla: bool, device: str) -> RankKV:
 
     pairs = [(view(ptrs[i]), view(ptrs[layers + i])) for i in range(layers)]
     return RankKV(layout, EngineKV.from_layers(layout, KVCacheFormat.SGLANG, pairs, heads), heads)
+
+
+def _latent_kv(ptrs: list[int], lens: list[int], items: list[int], args: Any, device: str) -> RankKV:
+    """An MLA pool: one latent buffer `[slots, 1, row]` per layer, viewed as vLLM's latent cache
+    `[pages, 1, page_size, row]` over the same memory."""
+    if not ptrs or len(lens) != len(ptrs) or len(items) != len(ptrs) or set(items) != {items[0]} or len(set(lens)) != 1:
+        raise ConfigError(f"sglang's MLA buffers are not one alike latent buffer per layer (items {set(items)})")
+    dtype, page = kv_dtype(args.kv_cache_dtype_str), int(args.page_size)
+    row = items[0] // (page * DTYPE_BYTES[dtype])
+    slots = lens[0] // (row * DTYPE_BYTES[dtype])
+    if row * page * DTYPE_BYTES[dtype] != items[0] or slots % page:
+        raise ConfigError(f"sglang's MLA buffer of {lens[0]} bytes is not whole pages of {page} rows of {row}")
+    layout = latent_layout(len(ptrs), row, dtype, page)
+    torch_dtype = getattr(torch, dtype)
+    layers = [
+        host_bytes(p, lens[0], device).view(torch_dtype).view(slots // page, page, 1, row).transpose(1, 2) for p in ptrs
+    ]
+    return RankKV(layout, EngineKV.from_layers(layout, KVCacheFormat.VLLM_MLA, layers, 1), 1)
 
 
 @dataclass(frozen=True, slots=True)

@@ -85,6 +85,7 @@ class RankBackend:
     def __init__(self, place: RankPlace, settings: BackendSettings, kv_args: Any, is_mla: bool) -> None:
         self.place, self.settings = place, settings
         self.rank_kv: RankKV = rank_kv(kv_args, is_mla, place.device)
+        self.is_mla = is_mla
         self.aux = AuxRows.of(kv_args)
         self.page_size = self.rank_kv.layout.page_size
         self.refused: Counter[str] = Counter()
@@ -104,6 +105,7 @@ class RankBackend:
         s, p, kv = self.settings, self.place, self.rank_kv
         config = AgentConfig(
             instance=p.instance, rank=p.rank, tp_size=p.tp_size, layout=kv.layout, bootstrap=s.bootstrap,
+            attention="mla" if self.is_mla else "gqa",
             transport=TransportConfig(backend=s.backend, host=s.host), control_bind=f"tcp://{s.host}:*",
             chunk_tokens=s.grid(kv.layout.page_size), ring_bytes=s.ring_mib << 20, staging_bytes=s.staging_mib << 20,
         )  # fmt: skip

@@ -154,8 +154,14 @@ class ReceiverRoom(_Room):
     def init(self) -> None:
         if self.state == FAILED:
             return
-        if self.mailbox not in self.backend.prefill_info_table:
+        info = self.backend.prefill_info_table.get(self.mailbox)
+        if info is None:
             self.fail(f"prefill {self.mailbox} unknown: its instance was never found")
+            return
+        if self.backend.is_mla and info.tp_size > self.backend.place.tp_size:
+            self.fail(f"invalid request: MLA from prefill TP {info.tp_size} to decode TP {self.backend.place.tp_size}: "
+                      "a prefill rank that writes to no decode rank would never hear of the room (prefill TP must "
+                      "not exceed decode TP)", refused=True)  # fmt: skip
             return
         self.state = WAITING
 
