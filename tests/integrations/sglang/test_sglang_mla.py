@@ -67,6 +67,6 @@ def test_mla_from_a_larger_prefill_tp_is_refused_by_decode_naming_why(monkeypatc
         wait(lambda: c.decode[0].mgr.try_ensure_parallel_info(c.addr))
         rx.init(0)
         assert rx.poll() == KVPoll.Failed
-        assert "MLA from prefill TP 2 to decode TP 1" in rx.room.failure_reason
+        assert "prefill ranks [1] of TP 2 write nothing to decode TP 1" in rx.room.failure_reason
     finally:
         c.close()
