@@ -1,0 +1,147 @@
+"""sglang 0.5.23's real disaggregation queues with the kvstage backend on CPU (sglang_queues_harness.py): a decode
+prefix hit in sglang's real radix cache, dead peers, and the TP minimum of poll states over a real gloo group.
+
+Real, beyond what test_sglang_queues.py lists:
+- decode's radix cache: sglang's `RadixCache`, enabled as `--disaggregation-decode-enable-radix-cache` turns it on
+  (the `ServerArgs` field is set, so `DecodePreallocQueue` matches and locks the prefix, allocates only the rest,
+  and sends `decode_prefix_len` to the receiver). The prefix gets into the tree the way a finished request's does:
+  a first request goes through both instances' queues, and decode releases it with sglang's `release_kv_cache`
+  (`checkpoint=True`, what the scheduler does when a request finishes), which inserts its pages into the tree.
+  Stand-in: the request is marked finished by the test (no decode forward ran).
+- a dead peer: the rank's kvstage agent is closed mid-room (as test_sglang_transfer.py's dead prefill), its
+  sglang objects left in place; the other instance's queues go on being turned and must end the request.
+- the TP minimum: the decode instance's ranks get a real gloo group of two (`ProcessGroupGloo`, one per rank, in
+  this process), and sglang's `poll_and_all_reduce` MIN-reduces their poll states over it. Its collectives need
+  both ranks' calls at once, so each decode rank turns its queues on a thread of its own (`run_queues_tp`). sglang's
+  runtime context is a process global, not per thread: both threads run under decode rank 0's context, which
+  differs from rank 1's only in rank numbers, read by the queues at construction (each rank's queues were built
+  under its own context), not while they are turned.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from sglang_queues_harness import (
+    DIM,
+    HEADS,
+    LAYERS,
+    PAGE,
+    abort_message,
+    decode_kv,
+    forward,
+    handoff,
+    new_req,
+    ring_empty,
+    run_queues,
+    slots_of,
+    wait,
+)
+
+RADIX = {"disaggregation_decode_enable_radix_cache": True}
+
+
+def cache_finished(rank: Any, req: Any) -> None:
+    """Decode is done with `req` (stand-in: marked finished, no forward ran): sglang's `release_kv_cache`, as the
+    scheduler calls it for a finished request, puts its pages into the radix cache."""
+    from sglang.srt.managers.schedule_batch import FINISH_LENGTH
+    from sglang.srt.mem_cache.common import release_kv_cache
+
+    req.finished_reason = FINISH_LENGTH(length=len(req.output_ids))
+    req.finished_len = len(req.output_ids)
+    rank.call(release_kv_cache, req, rank.tree, checkpoint=True)
+
+
+@pytest.mark.parametrize(("p_tp", "d_tp"), [(1, 1), (2, 1), (1, 2)])
+def test_decode_prefix_hit_moves_only_the_rest_bit_exact(queues_of: Any, p_tp: int, d_tp: int) -> None:
+    """A second request whose prompt starts with a first one's: decode's radix cache holds that prefix (32 tokens),
+    so only the rest lands. Prefill's KV for the prefix differs from decode's cached copy on purpose: decode must
+    end up with its own prefix untouched and prefill's KV past it, bit for bit, in the pages the tree gave."""
+    c = queues_of(p_tp, d_tp, **RADIX)
+    _, first, truth1 = handoff(c, 701, 32, 8)
+    done = run_queues(c, lambda d: len(d["prefill"]) == p_tp and len(d["decode"]) == d_tp)
+    assert done["decode_failed"] == []
+    assert torch.equal(decode_kv(c, first, 32).view(torch.int16), truth1.view(torch.int16))
+    cached = [slots_of(r, req, 32).clone() for r, req in zip(c.decode, first, strict=True)]
+    for r, req in zip(c.decode, first, strict=True):
+        cache_finished(r, req)
+        assert r.tree.total_size() == 32, r.tree.total_size()
+
+    padding = [(r.pool.k_buffer[0][:PAGE].clone(), r.pool.v_buffer[0][:PAGE].clone()) for r in c.decode]
+    _, second, truth2 = handoff(c, 702, 45, 12)
+    done = run_queues(c, lambda d: len(d["prefill"]) == p_tp and len(d["decode"]) == d_tp)
+    assert done["decode_failed"] == [], [abort_message(x.req) for x in done["decode_failed"]]
+    for r, req, slots in zip(c.decode, second, cached, strict=True):
+        assert req.kv.cache_protected_len == 32  # the prefix sglang promised prefill (decode_prefix_len)
+        assert torch.equal(slots_of(r, req, 32), slots)  # the tree's pages, not new ones
+    want = torch.cat([truth1[:, :, :32], truth2[:, :, 32:]], dim=2)
+    assert not torch.equal(truth1[:, :, :32], truth2[:, :, :32])
+    assert torch.equal(decode_kv(c, second, 45).view(torch.int16), want.view(torch.int16))
+    for req in second:
+        assert list(req.output_ids) == [4242], req.output_ids
+    for r, (k, v) in zip(c.decode, padding, strict=True):  # the prefix is named by page 0: never written
+        assert torch.equal(r.pool.k_buffer[0][:PAGE], k) and torch.equal(r.pool.v_buffer[0][:PAGE], v)
+    ring_empty(c)
+
+
+def test_dead_prefill_rank_fails_decode_with_peer_dead_and_frees_the_ring(queues_of: Any) -> None:
+    """Prefill TP 2 -> decode TP 1; prefill rank 1's agent dies after the first chunk: decode's transfer queue ends
+    the request with kvstage's `peer dead`, its pages go back to sglang's allocator and the ring is empty; prefill
+    rank 0, which lives, ends its request with `aborted by decode` once it has sent its last chunk, pages freed."""
+    c = queues_of(2, 1)
+    d = c.decode[0]
+    free, p_free = d.allocator.available_size(), c.prefill[0].allocator.available_size()
+    d_req = new_req("r711", 64, 711, c.port)
+    d.call(d.prealloc.add, d_req)
+    wait(lambda: (d.call(d.transfer.extend, d.call(d.prealloc.pop_preallocated)[0]), d.transfer.queue)[1])
+    truth = torch.randn(2, LAYERS, 64, HEADS, DIM).to(torch.bfloat16)
+    p_reqs = [new_req("r711", 64, 711, c.port) for _ in c.prefill]
+    for p, req in zip(c.prefill, p_reqs, strict=True):
+        p.call(p.bootstrap.add, req, p.pool.head_num)
+        assert p.call(p.bootstrap.pop_bootstrapped) == [req]
+        forward(p, req, truth)
+        req.extend_end = 16
+        p.call(p.sched.send_kv_chunk, req)
+    c.prefill[1].agent.close()  # prefill rank 1 dies mid-room
+    wait(lambda: (d.call(d.transfer.pop_transferred), not d.transfer.queue)[1], timeout_s=15)
+    assert "peer dead" in abort_message(d_req), abort_message(d_req)
+    assert d_req.kv.req_pool_idx is None and d.allocator.available_size() == free
+    ring_empty(c)
+    p, req = c.prefill[0], p_reqs[0]
+    req.extend_end = 64
+    req.output_ids.append(7)
+    p.sched.disagg_prefill_inflight_queue.append(req)
+    p.call(p.sched.send_kv_chunk, req, last_chunk=True)
+    wait(lambda: p.call(p.sched.process_disagg_prefill_inflight_queue))
+    assert "aborted by decode" in abort_message(req), abort_message(req)  # decode failed the room and said so
+    assert req.kv.req_pool_idx is None and p.allocator.available_size() == p_free
+
+
+def test_dead_decode_rank_fails_prefill_with_peer_dead_and_returns_its_pages(queues_of: Any) -> None:
+    """Prefill TP 1 -> decode TP 1; decode's agent dies once the room is registered: prefill's inflight queue ends
+    the request with kvstage's `peer dead`, its KV pages are sglang's again and prefill's agent holds no room."""
+    c = queues_of(1, 1)
+    p, d = c.prefill[0], c.decode[0]
+    free = p.allocator.available_size()
+    d_req = new_req("r712", 64, 712, c.port)
+    d.call(d.prealloc.add, d_req)
+    wait(lambda: (d.call(d.transfer.extend, d.call(d.prealloc.pop_preallocated)[0]), d.transfer.queue)[1])
+    truth = torch.randn(2, LAYERS, 64, HEADS, DIM).to(torch.bfloat16)
+    p_req = new_req("r712", 64, 712, c.port)
+    p.call(p.bootstrap.add, p_req, p.pool.head_num)
+    assert p.call(p.bootstrap.pop_bootstrapped) == [p_req]
+    forward(p, p_req, truth)
+    p_req.extend_end = 16
+    p.call(p.sched.send_kv_chunk, p_req)
+    wait(lambda: d.agent.snapshot().ring_high_water > 0)  # the first chunk reached decode's ring
+    d.agent.close()  # decode dies mid-room
+    p_req.extend_end = 64
+    p_req.output_ids.append(7)
+    p.sched.disagg_prefill_inflight_queue.append(p_req)
+    p.call(p.sched.send_kv_chunk, p_req, last_chunk=True)
+    wait(lambda: p.call(p.sched.process_disagg_prefill_inflight_queue), timeout_s=15)
+    assert "peer dead" in abort_message(p_req), abort_message(p_req)
+    assert p_req.kv.req_pool_idx is None and p.allocator.available_size() == free
+    wait(lambda: p.agent.wait_quiescent(0.05) and p.agent.snapshot().open_rooms == 0)
