@@ -3,7 +3,8 @@
 Each rank gets its own sglang runtime context (`create_context` from a real `ServerArgs`, rank placement from
 `SpawnRanks`), entered with `use_context` around every call into sglang, so several ranks of both instances live
 in one test process. Real sglang objects per rank: `MHATokenToKVPool` (bf16, CPU), `PagedTokenToKVPoolAllocator`,
-`ReqToTokenPool` / `DecodeReqToTokenPool`, `RadixCache` (disabled, as with `--disable-radix-cache`),
+`ReqToTokenPool` / `DecodeReqToTokenPool`, `RadixCache` (disabled, or on decode enabled as with
+`--disaggregation-decode-enable-radix-cache`),
 `MetadataBuffers`, `ReqToMetadataIdxAllocator`, `PrefillBootstrapQueue`, `DecodePreallocQueue`,
 `DecodeTransferQueue`, and the scheduler's prefill mixin (`SchedulerDisaggregationPrefillMixin`: `send_kv_chunk`,
 `process_disagg_prefill_inflight_queue`). The stand-ins are listed in test_sglang_queues.py's docstring.
@@ -17,7 +18,9 @@ import threading
 import time
 from array import array
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -45,7 +48,7 @@ def tp_groups(size: int) -> list[Any]:
     store, groups = dist.PrefixStore(f"tp{next(_groups)}", dist.HashStore()), [None] * size
 
     def make(rank: int) -> None:
-        groups[rank] = dist.ProcessGroupGloo(store, rank, size)
+        groups[rank] = dist.ProcessGroupGloo(store, rank, size, timeout=timedelta(seconds=30))
 
     threads = [threading.Thread(target=make, args=(r,)) for r in range(size)]
     for t in threads:
@@ -342,3 +345,30 @@ def abort_message(req: Any) -> str:
 
     assert isinstance(req.finished_reason, FINISH_ABORT), req.finished_reason
     return str(req.finished_reason.message)
+
+
+def run_queues_tp(c: Cluster, until: Any, timeout_s: float = 30) -> dict[str, list[Any]]:
+    """`run_queues` for a decode instance whose ranks share a real gloo group (`tp_groups`): each turn, every decode
+    rank turns its queues on a thread of its own (their collectives need all ranks at once), all under decode rank
+    0's runtime context (sglang's context is one per process; the ranks' contexts differ only in rank numbers, which
+    the queues read when they are built). `done["turns"]` has, per turn, each decode rank's transferred requests."""
+    done: dict[str, list[Any]] = {"prefill": [], "decode": [], "decode_failed": [], "turns": []}
+
+    def decode_turn(r: Rank) -> tuple[list[Any], list[Any]]:
+        ready, failed = r.prealloc.pop_preallocated()
+        r.transfer.extend(ready)
+        return failed, r.transfer.pop_transferred()
+
+    def turn() -> bool:
+        for r in c.prefill:
+            done["prefill"] += r.call(r.sched.process_disagg_prefill_inflight_queue)
+        with c.decode[0].context(), ThreadPoolExecutor(len(c.decode)) as pool:
+            results = [f.result(timeout=60) for f in [pool.submit(decode_turn, r) for r in c.decode]]
+        done["turns"].append([popped for _, popped in results])
+        for failed, popped in results:
+            done["decode_failed"] += failed
+            done["decode"] += popped
+        return bool(until(done))
+
+    wait(turn, timeout_s)
+    return done

@@ -34,9 +34,12 @@ from sglang_queues_harness import (
     forward,
     handoff,
     new_req,
+    prefill_request,
     ring_empty,
     run_queues,
+    run_queues_tp,
     slots_of,
+    tp_groups,
     wait,
 )
 
@@ -145,3 +148,97 @@ def test_dead_decode_rank_fails_prefill_with_peer_dead_and_returns_its_pages(que
     assert "peer dead" in abort_message(p_req), abort_message(p_req)
     assert p_req.kv.req_pool_idx is None and p.allocator.available_size() == free
     wait(lambda: p.agent.wait_quiescent(0.05) and p.agent.snapshot().open_rooms == 0)
+
+
+def tp_handoff(c: Any, room: int) -> tuple[list[Any], torch.Tensor]:
+    """Prefill TP 1 -> decode TP 2 whose ranks share a real gloo group: the request's decode `Req`s and its KV."""
+    truth = torch.randn(2, LAYERS, 40, HEADS, DIM).to(torch.bfloat16)
+    d_reqs = [new_req(f"r{room}", 40, room, c.port) for _ in c.decode]
+    for r, req in zip(c.decode, d_reqs, strict=True):
+        r.call(r.prealloc.add, req)
+    p_req = new_req(f"r{room}", 40, room, c.port)
+    prefill_request(c.prefill[0], p_req, truth, 8, first_token=4242)
+    return d_reqs, truth
+
+
+def local_state(rank: Any) -> int:
+    """This rank's own poll of its one request in the transfer queue (what it would report without the group)."""
+    return int(rank.transfer.queue[0].kv_receiver.room.state) if rank.transfer.queue else -1
+
+
+def test_tp_ranks_commit_a_request_together_over_the_gloo_group(queues_of: Any) -> None:
+    """Decode rank 1's aux row is held back: rank 0's own poll says Success, but sglang's MIN over the TP group
+    keeps the request in rank 0's transfer queue too, until rank 1's row arrives; then both commit it in the same
+    turn, bit-exact. (Without the group, rank 0 would commit alone: a world of one per rank.)"""
+    c = queues_of(1, 2, decode_groups=tp_groups(2))
+    held: list[tuple[Any, ...]] = []
+    backend = c.decode[1].kv_manager.backend
+    fetch = backend.fetch_aux
+    backend.fetch_aux = lambda *args: held.append(args)  # rank 1 asks for its aux row only when let
+    d_reqs, truth = tp_handoff(c, 721)
+    run_queues_tp(c, lambda d: held and local_state(c.decode[0]) == 4)  # rank 0: KV and aux row in
+    done = run_queues_tp(c, lambda d: len(d["turns"]) >= 50)
+    assert done["decode"] == [] and local_state(c.decode[0]) == 4 and local_state(c.decode[1]) == 3
+    fetch(*held[0])
+    done = run_queues_tp(c, lambda d: d["decode"])
+    assert done["turns"][-1] == [[d_reqs[0]], [d_reqs[1]]], done["turns"][-1]  # both ranks, the same turn
+    assert torch.equal(decode_kv(c, d_reqs, 40).view(torch.int16), truth.view(torch.int16))
+    ring_empty(c)
+
+
+def test_one_tp_rank_failing_fails_the_request_on_every_rank(queues_of: Any) -> None:
+    """Decode rank 1 fails the room (its aux row never comes: planted); rank 0's own part succeeds. sglang's MIN
+    over the group makes it Failed on both ranks in the same turn: both abort the request with a reason, both
+    give their pages back, and both rings are empty."""
+    c = queues_of(1, 2, decode_groups=tp_groups(2))
+    backend = c.decode[1].kv_manager.backend
+    backend.aux_result = lambda room: "aux row not received: planted on decode rank 1"
+    free = [r.allocator.available_size() for r in c.decode]
+    d_reqs, _ = tp_handoff(c, 722)
+    done = run_queues_tp(c, lambda d: all(not r.prealloc.queue and not r.transfer.queue for r in c.decode))
+    assert done["decode"] == []
+    assert "another TP rank" in abort_message(d_reqs[0]), abort_message(d_reqs[0])
+    assert "planted on decode rank 1" in abort_message(d_reqs[1])
+    for r, req, n in zip(c.decode, d_reqs, free, strict=True):
+        assert req.kv.req_pool_idx is None and r.allocator.available_size() == n
+    ring_empty(c)
+
+
+def test_a_rank_failed_by_its_tp_group_stops_writing_the_pages_it_gave_back(queues_of: Any) -> None:
+    """Decode rank 1 fails the room before any KV is sent (planted: its room's outcome is a failure at once), so
+    sglang's MIN fails it on rank 0 too, whose own room is still waiting for prefill, and rank 0 gives its pages
+    back to sglang's allocator. Prefill then sends the whole request: nothing may land in those pages (sglang may
+    have given them to another request), and every ring ends empty. (Here rank 1's agent aborting the room makes
+    prefill fail it for rank 0 too, so the no-write check holds even without rank 0 aborting its own room in
+    `failure_exception`; the reason check is what fails without that.)"""
+    from kvstage.runtime import RoomOutcome
+
+    c = queues_of(1, 2, decode_groups=tp_groups(2))
+    d_reqs = [new_req("r723", 40, 723, c.port) for _ in c.decode]
+    for r, req in zip(c.decode, d_reqs, strict=True):
+        r.call(r.prealloc.add, req)
+    run_queues_tp(c, lambda d: all(r.transfer.queue for r in c.decode))  # both registered the room
+    d0 = c.decode[0]
+    pages = slots_of(d0, d_reqs[0], 40).clone()
+    backend, agent1 = c.decode[1].kv_manager.backend, c.decode[1].agent
+
+    def failed(room: int) -> RoomOutcome:  # planted: rank 1's room fails there (its agent ends it too)
+        agent1.abort(room)
+        return RoomOutcome(room, ok=False, reason="transfer failed")
+
+    backend.take_outcome = failed
+    run_queues_tp(c, lambda d: all(not r.transfer.queue for r in c.decode))
+    assert "another TP rank" in abort_message(d_reqs[0]), abort_message(d_reqs[0])
+    assert "transfer failed" in abort_message(d_reqs[1]), abort_message(d_reqs[1])
+    for layer in range(LAYERS):  # the freed pages, taken by another request: marked
+        d0.pool.k_buffer[layer][pages] = 7
+        d0.pool.v_buffer[layer][pages] = 7
+    truth = torch.randn(2, LAYERS, 40, HEADS, DIM).to(torch.bfloat16)
+    p_req = new_req("r723", 40, 723, c.port)
+    prefill_request(c.prefill[0], p_req, truth, 8, first_token=1)
+    p = c.prefill[0]
+    wait(lambda: p.call(p.sched.process_disagg_prefill_inflight_queue))
+    assert abort_message(p_req)
+    ring_empty(c)
+    for layer in range(LAYERS):
+        assert (d0.pool.k_buffer[layer][pages] == 7).all() and (d0.pool.v_buffer[layer][pages] == 7).all()
