@@ -11,7 +11,9 @@ import importlib.abc
 import importlib.machinery
 import importlib.util
 import sys
+from collections.abc import Callable, Iterator
 from types import ModuleType
+from typing import Any
 from unittest.mock import MagicMock
 
 import pytest
@@ -52,3 +54,31 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.sglang)
             if not SGLANG:
                 item.add_marker(skip)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A config-only model directory for sglang's `ModelConfig`, once sglang's plugins are loaded (as every sglang
+    process does: it registers the kvstage backend) and a gloo world of one is up."""
+    from sglang.srt.plugins import load_plugins
+    from sglang_queues_harness import init_world, write_model
+
+    load_plugins()
+    init_world()
+    return write_model(tmp_path_factory.mktemp("model"))
+
+
+@pytest.fixture
+def queues_of(model: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., Any]]:
+    """Makes `sglang_queues_harness.Cluster`s (prefill TP, decode TP, room timeout, ...); closes them after."""
+    from sglang_queues_harness import Cluster
+
+    made: list[Cluster] = []
+
+    def make(p_tp: int, d_tp: int, timeout_s: float = 20, **kwargs: Any) -> Cluster:
+        made.append(Cluster(model, p_tp, d_tp, monkeypatch, timeout_s, **kwargs))
+        return made[-1]
+
+    yield make
+    for c in made:
+        c.close()

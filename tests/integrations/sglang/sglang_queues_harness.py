@@ -3,7 +3,8 @@
 Each rank gets its own sglang runtime context (`create_context` from a real `ServerArgs`, rank placement from
 `SpawnRanks`), entered with `use_context` around every call into sglang, so several ranks of both instances live
 in one test process. Real sglang objects per rank: `MHATokenToKVPool` (bf16, CPU), `PagedTokenToKVPoolAllocator`,
-`ReqToTokenPool` / `DecodeReqToTokenPool`, `RadixCache` (disabled, as with `--disable-radix-cache`),
+`ReqToTokenPool` / `DecodeReqToTokenPool`, `RadixCache` (disabled, or on decode enabled as with
+`--disaggregation-decode-enable-radix-cache`),
 `MetadataBuffers`, `ReqToMetadataIdxAllocator`, `PrefillBootstrapQueue`, `DecodePreallocQueue`,
 `DecodeTransferQueue`, and the scheduler's prefill mixin (`SchedulerDisaggregationPrefillMixin`: `send_kv_chunk`,
 `process_disagg_prefill_inflight_queue`). The stand-ins are listed in test_sglang_queues.py's docstring.
@@ -11,10 +12,15 @@ in one test process. Real sglang objects per rank: `MHATokenToKVPool` (bf16, CPU
 
 from __future__ import annotations
 
+import itertools
 import json
+import threading
 import time
+from array import array
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -31,6 +37,29 @@ def init_world() -> None:
 
     if not dist.is_initialized():
         dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+
+
+def tp_groups(size: int) -> list[Any]:
+    """A real gloo group of `size` ranks in this process, one `ProcessGroupGloo` per rank (each made on a thread of
+    its own: making one waits for all). sglang MIN-reduces poll states over such a group; its collectives then need
+    every rank's call at once, from threads of their own (`run_queues_tp`)."""
+    import torch.distributed as dist
+
+    store, groups = dist.PrefixStore(f"tp{next(_groups)}", dist.HashStore()), [None] * size
+
+    def make(rank: int) -> None:
+        groups[rank] = dist.ProcessGroupGloo(store, rank, size, timeout=timedelta(seconds=30))
+
+    threads = [threading.Thread(target=make, args=(r,)) for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert all(g is not None for g in groups), "gloo group not made"
+    return groups
+
+
+_groups = itertools.count()
 
 
 class _Streamer:
@@ -97,7 +126,8 @@ def _mixin() -> type:
 class Rank:
     """One sglang scheduler process's disaggregation state (prefill or decode), with its own runtime context."""
 
-    def __init__(self, model: str, mode: str, tp: int, rank: int, port: int, **server_fields: Any) -> None:
+    def __init__(self, model: str, mode: str, tp: int, rank: int, port: int, tp_group: Any = None,
+                 **server_fields: Any) -> None:  # fmt: skip
         from sglang.srt.disaggregation.utils import MetadataBuffers, ReqToMetadataIdxAllocator, TransferBackend
         from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
         from sglang.srt.mem_cache.cache_init_params import CacheInitParams
@@ -111,8 +141,9 @@ class Rank:
                                       disaggregation_transfer_backend="kvstage", disaggregation_bootstrap_port=port,
                                       skip_tokenizer_init=True, page_size=PAGE, **server_fields)  # fmt: skip
         self.ctx = create_context(self.server_args, role="scheduler", ranks=SpawnRanks(world_rank=rank, dp_rank=None))
-        # Stand-in for sglang's attention-TP GroupCoordinator: only its gloo group is read (the world of one).
-        self.ctx.parallel.override_permanently(attn_tp_group=SimpleNamespace(cpu_group=None))
+        # Stand-in for sglang's attention-TP GroupCoordinator: only its gloo group is read (`tp_group`, a real gloo
+        # group of the instance's ranks, or None: the world of one).
+        self.ctx.parallel.override_permanently(attn_tp_group=SimpleNamespace(cpu_group=tp_group))
         with self.context():
             heads = HEADS // tp
             self.pool = MHATokenToKVPool(size=POOL_TOKENS, page_size=PAGE, dtype=torch.bfloat16, head_num=heads,
@@ -125,7 +156,8 @@ class Rank:
                 from sglang.srt.disaggregation.decode import DecodeReqToTokenPool
 
                 self.req_pool = DecodeReqToTokenPool(REQ_ROWS, CONTEXT_LEN, "cpu", False, pre_alloc_size=REQ_ROWS)
-            params = CacheInitParams(disable=True, req_to_token_pool=self.req_pool,
+            radix = bool(server_fields.get("disaggregation_decode_enable_radix_cache"))  # decode only
+            params = CacheInitParams(disable=not radix, req_to_token_pool=self.req_pool,
                                      token_to_kv_pool_allocator=self.allocator, page_size=PAGE)  # fmt: skip
             self.tree = RadixCache(params)
             self.meta = MetadataBuffers(META_ROWS, hidden_size=16, hidden_states_dtype=torch.bfloat16,
@@ -185,3 +217,158 @@ def wait(predicate: Callable[[], Any], timeout_s: float = 30.0) -> None:
     while not predicate():
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.002)
+
+
+_ports = itertools.count(19410)
+
+
+class Cluster:
+    """A prefill instance of `p_tp` ranks, a decode instance of `d_tp`, sglang's mailbox and kvstage's directory.
+    `decode_groups`: one real gloo group per decode rank (`tp_groups`), else each rank sees a world of one;
+    `decode_fields`: more `ServerArgs` fields for decode (its radix cache)."""
+
+    def __init__(self, model: str, p_tp: int, d_tp: int, monkeypatch: Any, timeout_s: float,
+                 decode_groups: list[Any] | None = None, **decode_fields: Any) -> None:  # fmt: skip
+        from kvstage.integrations.sglang.conn import KVStageBootstrapServer
+        from kvstage.transport.bootstrap import BootstrapServer
+
+        self.port = next(_ports)
+        self.directory = BootstrapServer().start()
+        for k, v in dict(KVSTAGE_BOOTSTRAP=self.directory.address, KVSTAGE_CHUNK_TOKENS="8", KVSTAGE_RING_MIB="1",
+                         KVSTAGE_STAGING_MIB="1", KVSTAGE_ROOM_TIMEOUT_S=str(timeout_s)).items():  # fmt: skip
+            monkeypatch.setenv(k, v)
+        self.mailbox = KVStageBootstrapServer("127.0.0.1", self.port)  # sglang starts it on the prefill instance
+        monkeypatch.setenv("KVSTAGE_INSTANCE", f"q-prefill-{self.port}")
+        self.prefill = [Rank(model, "prefill", p_tp, r, self.port) for r in range(p_tp)]
+        monkeypatch.setenv("KVSTAGE_INSTANCE", f"q-decode-{self.port}")
+        groups = decode_groups or [None] * d_tp
+        self.decode = [Rank(model, "decode", d_tp, r, self.port, groups[r], **decode_fields) for r in range(d_tp)]
+
+    def close(self) -> None:
+        for r in self.prefill + self.decode:
+            r.close()
+        self.mailbox.close()
+        self.directory.close()
+
+
+def new_req(rid: str, tokens: int, room: Any, port: int) -> Any:
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    ids = array("q", [(7 * i + 3) % 200 for i in range(tokens)])
+    return Req(rid, "", ids, SamplingParams(max_new_tokens=8), bootstrap_host="127.0.0.1", bootstrap_port=port,
+               bootstrap_room=room)  # fmt: skip
+
+
+def slots_of(rank: Rank, req: Any, tokens: int) -> torch.Tensor:
+    return rank.req_pool.req_to_token[req.kv.req_pool_idx, :tokens].to(torch.int64)
+
+
+def forward(rank: Rank, req: Any, truth: torch.Tensor) -> None:
+    """Stand-in for the model forward of the whole prompt: row and pages from sglang's allocators, KV written."""
+    tokens = truth.shape[2]
+    rank.req_pool.alloc([req])
+    pages = -(-tokens // PAGE)
+    loc = rank.allocator.alloc(pages * PAGE)
+    rank.req_pool.write((req.kv.req_pool_idx, slice(0, tokens)), loc[:tokens].to(torch.int32))
+    req.kv.kv_allocated_len = req.kv.kv_committed_len = tokens
+    heads = range(rank.rank * rank.pool.head_num, (rank.rank + 1) * rank.pool.head_num)
+    slots = slots_of(rank, req, tokens)
+    for layer in range(LAYERS):
+        rank.pool.k_buffer[layer][slots] = truth[0, layer][:, heads.start : heads.stop]
+        rank.pool.v_buffer[layer][slots] = truth[1, layer][:, heads.start : heads.stop]
+
+
+def prefill_request(rank: Rank, req: Any, truth: torch.Tensor, chunk_tokens: int, first_token: int) -> None:
+    """One prefill rank's life of `req`: bootstrap queue, chunked prefill sends, inflight queue."""
+    tokens = truth.shape[2]
+    rank.call(rank.bootstrap.add, req, rank.pool.head_num)
+    popped = rank.call(rank.bootstrap.pop_bootstrapped)
+    assert popped == [req], "kvstage's sender must let prefill start at once (WaitingForInput)"
+    forward(rank, req, truth)
+    for end in range(chunk_tokens, tokens, chunk_tokens):  # process_prefill_chunk: one send per middle chunk
+        req.extend_end = end
+        rank.call(rank.sched.send_kv_chunk, req)
+    req.extend_end = tokens  # process_batch_result_disagg_prefill, last chunk
+    req.output_ids.append(first_token)
+    rank.sched.disagg_prefill_inflight_queue.append(req)
+    rank.call(rank.sched.send_kv_chunk, req, last_chunk=True)
+
+
+def run_queues(c: Cluster, until: Any, timeout_s: float = 30) -> dict[str, list[Any]]:
+    """Turn every rank's queues, as their event loops do, until `until(done)`."""
+    done: dict[str, list[Any]] = {"prefill": [], "decode": [], "decode_failed": []}
+
+    def turn() -> bool:
+        for r in c.prefill:
+            done["prefill"] += r.call(r.sched.process_disagg_prefill_inflight_queue)
+        for r in c.decode:
+            ready, failed = r.call(r.prealloc.pop_preallocated)
+            r.call(r.transfer.extend, ready)
+            done["decode_failed"] += failed
+            done["decode"] += r.call(r.transfer.pop_transferred)
+        return bool(until(done))
+
+    wait(turn, timeout_s)
+    return done
+
+
+def decode_kv(c: Cluster, reqs: list[Any], tokens: int) -> torch.Tensor:
+    """What decode holds for the request, `[2, layers, tokens, heads, dim]`, the heads of every rank joined."""
+    per_rank = []
+    for r, req in zip(c.decode, reqs, strict=True):
+        slots = slots_of(r, req, tokens)
+        per_rank.append(torch.stack([torch.stack([r.pool.k_buffer[i][slots] for i in range(LAYERS)]),
+                                     torch.stack([r.pool.v_buffer[i][slots] for i in range(LAYERS)])]))  # fmt: skip
+    return torch.cat(per_rank, dim=3)
+
+
+def ring_empty(c: Cluster) -> None:
+    for r in c.decode:
+        wait(lambda a=r.agent: a.wait_quiescent(0.05) and a.snapshot().ring_live_bytes == 0)
+
+
+def handoff(c: Cluster, room: int, tokens: int, chunk_tokens: int) -> tuple[list[Any], list[Any], torch.Tensor]:
+    """A request through both instances' queues; returns prefill's and decode's `Req` of every rank and the KV."""
+    truth = torch.randn(2, LAYERS, tokens, HEADS, DIM).to(torch.bfloat16)
+    d_reqs = [new_req(f"r{room}", tokens, room, c.port) for _ in c.decode]
+    for r, req in zip(c.decode, d_reqs, strict=True):
+        r.call(r.prealloc.add, req)
+    p_reqs = [new_req(f"r{room}", tokens, room, c.port) for _ in c.prefill]
+    for r, req in zip(c.prefill, p_reqs, strict=True):
+        prefill_request(r, req, truth, chunk_tokens, first_token=4242)
+    return p_reqs, d_reqs, truth
+
+
+def abort_message(req: Any) -> str:
+    from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
+    assert isinstance(req.finished_reason, FINISH_ABORT), req.finished_reason
+    return str(req.finished_reason.message)
+
+
+def run_queues_tp(c: Cluster, until: Any, timeout_s: float = 30) -> dict[str, list[Any]]:
+    """`run_queues` for a decode instance whose ranks share a real gloo group (`tp_groups`): each turn, every decode
+    rank turns its queues on a thread of its own (their collectives need all ranks at once), all under decode rank
+    0's runtime context (sglang's context is one per process; the ranks' contexts differ only in rank numbers, which
+    the queues read when they are built). `done["turns"]` has, per turn, each decode rank's transferred requests."""
+    done: dict[str, list[Any]] = {"prefill": [], "decode": [], "decode_failed": [], "turns": []}
+
+    def decode_turn(r: Rank) -> tuple[list[Any], list[Any]]:
+        ready, failed = r.prealloc.pop_preallocated()
+        r.transfer.extend(ready)
+        return failed, r.transfer.pop_transferred()
+
+    def turn() -> bool:
+        for r in c.prefill:
+            done["prefill"] += r.call(r.sched.process_disagg_prefill_inflight_queue)
+        with c.decode[0].context(), ThreadPoolExecutor(len(c.decode)) as pool:
+            results = [f.result(timeout=60) for f in [pool.submit(decode_turn, r) for r in c.decode]]
+        done["turns"].append([popped for _, popped in results])
+        for failed, popped in results:
+            done["decode_failed"] += failed
+            done["decode"] += popped
+        return bool(until(done))
+
+    wait(turn, timeout_s)
+    return done

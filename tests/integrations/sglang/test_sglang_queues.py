@@ -31,156 +31,31 @@ Stand-ins, and why:
 
 from __future__ import annotations
 
-import itertools
-from array import array
 from typing import Any
 
 import pytest
 import torch
-from sglang_queues_harness import DIM, HEADS, LAYERS, PAGE, Rank, init_world, wait, write_model
-
-_ports = itertools.count(19410)
-
-
-class Cluster:
-    def __init__(self, model: str, p_tp: int, d_tp: int, monkeypatch: pytest.MonkeyPatch, timeout_s: float) -> None:
-        from kvstage.integrations.sglang.conn import KVStageBootstrapServer
-        from kvstage.transport.bootstrap import BootstrapServer
-
-        self.port = next(_ports)
-        self.directory = BootstrapServer().start()
-        for k, v in dict(KVSTAGE_BOOTSTRAP=self.directory.address, KVSTAGE_CHUNK_TOKENS="8", KVSTAGE_RING_MIB="1",
-                         KVSTAGE_STAGING_MIB="1", KVSTAGE_ROOM_TIMEOUT_S=str(timeout_s)).items():  # fmt: skip
-            monkeypatch.setenv(k, v)
-        self.mailbox = KVStageBootstrapServer("127.0.0.1", self.port)  # sglang starts it on the prefill instance
-        monkeypatch.setenv("KVSTAGE_INSTANCE", f"q-prefill-{self.port}")
-        self.prefill = [Rank(model, "prefill", p_tp, r, self.port) for r in range(p_tp)]
-        monkeypatch.setenv("KVSTAGE_INSTANCE", f"q-decode-{self.port}")
-        self.decode = [Rank(model, "decode", d_tp, r, self.port) for r in range(d_tp)]
-
-    def close(self) -> None:
-        for r in self.prefill + self.decode:
-            r.close()
-        self.mailbox.close()
-        self.directory.close()
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from sglang.srt.plugins import load_plugins
-
-    load_plugins()  # as every sglang process does: registers the kvstage backend
-    init_world()
-    return write_model(tmp_path_factory.mktemp("model"))
-
-
-@pytest.fixture
-def cluster_of(model: str, monkeypatch: pytest.MonkeyPatch) -> Any:
-    made: list[Cluster] = []
-
-    def make(p_tp: int, d_tp: int, timeout_s: float = 20) -> Cluster:
-        made.append(Cluster(model, p_tp, d_tp, monkeypatch, timeout_s))
-        return made[-1]
-
-    yield make
-    for c in made:
-        c.close()
-
-
-def new_req(rid: str, tokens: int, room: Any, port: int) -> Any:
-    from sglang.srt.managers.schedule_batch import Req
-    from sglang.srt.sampling.sampling_params import SamplingParams
-
-    ids = array("q", [(7 * i + 3) % 200 for i in range(tokens)])
-    return Req(rid, "", ids, SamplingParams(max_new_tokens=8), bootstrap_host="127.0.0.1", bootstrap_port=port,
-               bootstrap_room=room)  # fmt: skip
-
-
-def slots_of(rank: Rank, req: Any, tokens: int) -> torch.Tensor:
-    return rank.req_pool.req_to_token[req.kv.req_pool_idx, :tokens].to(torch.int64)
-
-
-def forward(rank: Rank, req: Any, truth: torch.Tensor) -> None:
-    """Stand-in for the model forward of the whole prompt: row and pages from sglang's allocators, KV written."""
-    tokens = truth.shape[2]
-    rank.req_pool.alloc([req])
-    pages = -(-tokens // PAGE)
-    loc = rank.allocator.alloc(pages * PAGE)
-    rank.req_pool.write((req.kv.req_pool_idx, slice(0, tokens)), loc[:tokens].to(torch.int32))
-    req.kv.kv_allocated_len = req.kv.kv_committed_len = tokens
-    heads = range(rank.rank * rank.pool.head_num, (rank.rank + 1) * rank.pool.head_num)
-    slots = slots_of(rank, req, tokens)
-    for layer in range(LAYERS):
-        rank.pool.k_buffer[layer][slots] = truth[0, layer][:, heads.start : heads.stop]
-        rank.pool.v_buffer[layer][slots] = truth[1, layer][:, heads.start : heads.stop]
-
-
-def prefill_request(rank: Rank, req: Any, truth: torch.Tensor, chunk_tokens: int, first_token: int) -> None:
-    """One prefill rank's life of `req`: bootstrap queue, chunked prefill sends, inflight queue."""
-    tokens = truth.shape[2]
-    rank.call(rank.bootstrap.add, req, rank.pool.head_num)
-    popped = rank.call(rank.bootstrap.pop_bootstrapped)
-    assert popped == [req], "kvstage's sender must let prefill start at once (WaitingForInput)"
-    forward(rank, req, truth)
-    for end in range(chunk_tokens, tokens, chunk_tokens):  # process_prefill_chunk: one send per middle chunk
-        req.extend_end = end
-        rank.call(rank.sched.send_kv_chunk, req)
-    req.extend_end = tokens  # process_batch_result_disagg_prefill, last chunk
-    req.output_ids.append(first_token)
-    rank.sched.disagg_prefill_inflight_queue.append(req)
-    rank.call(rank.sched.send_kv_chunk, req, last_chunk=True)
-
-
-def run_queues(c: Cluster, until: Any, timeout_s: float = 30) -> dict[str, list[Any]]:
-    """Turn every rank's queues, as their event loops do, until `until(done)`."""
-    done: dict[str, list[Any]] = {"prefill": [], "decode": [], "decode_failed": []}
-
-    def turn() -> bool:
-        for r in c.prefill:
-            done["prefill"] += r.call(r.sched.process_disagg_prefill_inflight_queue)
-        for r in c.decode:
-            ready, failed = r.call(r.prealloc.pop_preallocated)
-            r.call(r.transfer.extend, ready)
-            done["decode_failed"] += failed
-            done["decode"] += r.call(r.transfer.pop_transferred)
-        return bool(until(done))
-
-    wait(turn, timeout_s)
-    return done
-
-
-def decode_kv(c: Cluster, reqs: list[Any], tokens: int) -> torch.Tensor:
-    """What decode holds for the request, `[2, layers, tokens, heads, dim]`, the heads of every rank joined."""
-    per_rank = []
-    for r, req in zip(c.decode, reqs, strict=True):
-        slots = slots_of(r, req, tokens)
-        per_rank.append(torch.stack([torch.stack([r.pool.k_buffer[i][slots] for i in range(LAYERS)]),
-                                     torch.stack([r.pool.v_buffer[i][slots] for i in range(LAYERS)])]))  # fmt: skip
-    return torch.cat(per_rank, dim=3)
-
-
-def ring_empty(c: Cluster) -> None:
-    for r in c.decode:
-        wait(lambda a=r.agent: a.wait_quiescent(0.05) and a.snapshot().ring_live_bytes == 0)
-
-
-def handoff(c: Cluster, room: int, tokens: int, chunk_tokens: int) -> tuple[list[Any], list[Any], torch.Tensor]:
-    """A request through both instances' queues; returns prefill's and decode's `Req` of every rank and the KV."""
-    truth = torch.randn(2, LAYERS, tokens, HEADS, DIM).to(torch.bfloat16)
-    d_reqs = [new_req(f"r{room}", tokens, room, c.port) for _ in c.decode]
-    for r, req in zip(c.decode, d_reqs, strict=True):
-        r.call(r.prealloc.add, req)
-    p_reqs = [new_req(f"r{room}", tokens, room, c.port) for _ in c.prefill]
-    for r, req in zip(c.prefill, p_reqs, strict=True):
-        prefill_request(r, req, truth, chunk_tokens, first_token=4242)
-    return p_reqs, d_reqs, truth
+from sglang_queues_harness import (
+    DIM,
+    HEADS,
+    LAYERS,
+    abort_message,
+    decode_kv,
+    forward,
+    handoff,
+    new_req,
+    prefill_request,
+    ring_empty,
+    run_queues,
+    wait,
+)
 
 
 @pytest.mark.parametrize(("p_tp", "d_tp"), [(2, 1), (1, 2)])
 @pytest.mark.parametrize(("tokens", "chunk_tokens"), [(30, 64), (37, 8), (45, 12)])
-def test_real_queues_land_kv_bit_exact(cluster_of: Any, p_tp: int, d_tp: int, tokens: int,
+def test_real_queues_land_kv_bit_exact(queues_of: Any, p_tp: int, d_tp: int, tokens: int,
                                        chunk_tokens: int) -> None:  # fmt: skip
-    c = cluster_of(p_tp, d_tp)
+    c = queues_of(p_tp, d_tp)
     _, d_reqs, truth = handoff(c, 501, tokens, chunk_tokens)
     done = run_queues(c, lambda d: len(d["prefill"]) == p_tp and len(d["decode"]) == d_tp)
     assert done["decode_failed"] == []
@@ -191,18 +66,11 @@ def test_real_queues_land_kv_bit_exact(cluster_of: Any, p_tp: int, d_tp: int, to
     ring_empty(c)
 
 
-def abort_message(req: Any) -> str:
-    from sglang.srt.managers.schedule_batch import FINISH_ABORT
-
-    assert isinstance(req.finished_reason, FINISH_ABORT), req.finished_reason
-    return str(req.finished_reason.message)
-
-
 @pytest.mark.parametrize("room", [0, None])
-def test_malformed_room_is_aborted_by_both_queues(cluster_of: Any, room: Any) -> None:
+def test_malformed_room_is_aborted_by_both_queues(queues_of: Any, room: Any) -> None:
     """Room 0 (sglang's "no metadata yet" marker) and no room at all: the bootstrap queue and the prealloc queue
     each abort the request with kvstage's reason, and nothing is allocated for it."""
-    c = cluster_of(1, 1)
+    c = queues_of(1, 1)
     p, d = c.prefill[0], c.decode[0]
     p_req, d_req = new_req("bad", 30, room, c.port), new_req("bad", 30, room, c.port)
     free_meta = p.meta_alloc.available_size()
@@ -216,10 +84,10 @@ def test_malformed_room_is_aborted_by_both_queues(cluster_of: Any, room: Any) ->
     assert d.prealloc.queue == [] and d.transfer.queue == [] and d_req.kv.req_pool_idx is None
 
 
-def test_decode_abort_ends_both_sides_failed_and_frees_the_ring(cluster_of: Any) -> None:
+def test_decode_abort_ends_both_sides_failed_and_frees_the_ring(queues_of: Any) -> None:
     """Decode aborts a request in its transfer queue (the receiver's `abort`, as sglang's abort path calls it):
     the transfer queue releases it with kvstage's reason, prefill's inflight queue ends it failed."""
-    c = cluster_of(1, 1)
+    c = queues_of(1, 1)
     d = c.decode[0]
     d_req = new_req("r601", 64, 601, c.port)
     d.call(d.prealloc.add, d_req)
@@ -235,10 +103,10 @@ def test_decode_abort_ends_both_sides_failed_and_frees_the_ring(cluster_of: Any)
     ring_empty(c)
 
 
-def test_prefill_abort_mid_chunked_prefill_fails_decode_with_reason(cluster_of: Any) -> None:
+def test_prefill_abort_mid_chunked_prefill_fails_decode_with_reason(queues_of: Any) -> None:
     """Prefill aborts a request after its first chunk was sent (sglang's `release_aborted_prefill_waiting_req`):
     decode's transfer queue ends it failed with a reason, and decode's ring is empty."""
-    c = cluster_of(2, 1)
+    c = queues_of(2, 1)
     d = c.decode[0]
     d_req = new_req("r602", 64, 602, c.port)
     d.call(d.prealloc.add, d_req)

@@ -104,7 +104,7 @@ class KVStageKVSender(BaseKVSender):  # type: ignore[misc]
         return KVTransferMetric()
 
     def failure_exception(self) -> None:
-        raise KVTransferError(self.bootstrap_room, self.room.failure_reason or "kvstage room failed")
+        raise _failure(self.room, self.bootstrap_room)
 
     def abort(self) -> None:
         self.room.abort()
@@ -141,13 +141,25 @@ class KVStageKVReceiver(BaseKVReceiver):  # type: ignore[misc]
         return self.room.poll()
 
     def failure_exception(self) -> None:
-        raise KVTransferError(self.bootstrap_room or 0, self.room.failure_reason or "kvstage room failed")
+        raise _failure(self.room, self.bootstrap_room or 0)
 
     def abort(self) -> None:
         self.room.abort()
 
     def clear(self) -> None:
         self.room.clear()
+
+
+def _failure(room: SenderRoom | ReceiverRoom, bootstrap_room: int) -> KVTransferError:
+    """Why sglang failed the request. sglang MIN-reduces poll states over the instance's TP ranks, so it may call
+    this on a rank whose own room did not fail: then the room is aborted here (sglang frees its pages next) and the
+    error says it came from another rank, as sglang's own backends mark it."""
+    if room.failure_reason:
+        return KVTransferError(bootstrap_room, room.failure_reason)
+    reason = f"failed on another TP rank of this instance (this rank's room was in poll state {room.state})"
+    room.abort()  # a no-op where the room ended here
+    room.state, room.failure_reason = 0, reason  # KVPoll.Failed, even where this rank's room succeeded
+    return KVTransferError(bootstrap_room, reason, is_from_another_rank=True)
 
 
 _CLASSES: dict[str, type] = {

@@ -1,0 +1,244 @@
+"""sglang 0.5.23's real disaggregation queues with the kvstage backend on CPU (sglang_queues_harness.py): a decode
+prefix hit in sglang's real radix cache, dead peers, and the TP minimum of poll states over a real gloo group.
+
+Real, beyond what test_sglang_queues.py lists:
+- decode's radix cache: sglang's `RadixCache`, enabled as `--disaggregation-decode-enable-radix-cache` turns it on
+  (the `ServerArgs` field is set, so `DecodePreallocQueue` matches and locks the prefix, allocates only the rest,
+  and sends `decode_prefix_len` to the receiver). The prefix gets into the tree the way a finished request's does:
+  a first request goes through both instances' queues, and decode releases it with sglang's `release_kv_cache`
+  (`checkpoint=True`, what the scheduler does when a request finishes), which inserts its pages into the tree.
+  Stand-in: the request is marked finished by the test (no decode forward ran).
+- a dead peer: the rank's kvstage agent is closed mid-room (as test_sglang_transfer.py's dead prefill), its
+  sglang objects left in place; the other instance's queues go on being turned and must end the request.
+- the TP minimum: the decode instance's ranks get a real gloo group of two (`ProcessGroupGloo`, one per rank, in
+  this process), and sglang's `poll_and_all_reduce` MIN-reduces their poll states over it. Its collectives need
+  both ranks' calls at once, so each decode rank turns its queues on a thread of its own (`run_queues_tp`). sglang's
+  runtime context is a process global, not per thread: both threads run under decode rank 0's context, which
+  differs from rank 1's only in rank numbers, read by the queues at construction (each rank's queues were built
+  under its own context), not while they are turned.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from sglang_queues_harness import (
+    DIM,
+    HEADS,
+    LAYERS,
+    PAGE,
+    abort_message,
+    decode_kv,
+    forward,
+    handoff,
+    new_req,
+    prefill_request,
+    ring_empty,
+    run_queues,
+    run_queues_tp,
+    slots_of,
+    tp_groups,
+    wait,
+)
+
+RADIX = {"disaggregation_decode_enable_radix_cache": True}
+
+
+def cache_finished(rank: Any, req: Any) -> None:
+    """Decode is done with `req` (stand-in: marked finished, no forward ran): sglang's `release_kv_cache`, as the
+    scheduler calls it for a finished request, puts its pages into the radix cache."""
+    from sglang.srt.managers.schedule_batch import FINISH_LENGTH
+    from sglang.srt.mem_cache.common import release_kv_cache
+
+    req.finished_reason = FINISH_LENGTH(length=len(req.output_ids))
+    req.finished_len = len(req.output_ids)
+    rank.call(release_kv_cache, req, rank.tree, checkpoint=True)
+
+
+@pytest.mark.parametrize(("p_tp", "d_tp"), [(1, 1), (2, 1), (1, 2)])
+def test_decode_prefix_hit_moves_only_the_rest_bit_exact(queues_of: Any, p_tp: int, d_tp: int) -> None:
+    """A second request whose prompt starts with a first one's: decode's radix cache holds that prefix (32 tokens),
+    so only the rest lands. Prefill's KV for the prefix differs from decode's cached copy on purpose: decode must
+    end up with its own prefix untouched and prefill's KV past it, bit for bit, in the pages the tree gave."""
+    c = queues_of(p_tp, d_tp, **RADIX)
+    _, first, truth1 = handoff(c, 701, 32, 8)
+    done = run_queues(c, lambda d: len(d["prefill"]) == p_tp and len(d["decode"]) == d_tp)
+    assert done["decode_failed"] == []
+    assert torch.equal(decode_kv(c, first, 32).view(torch.int16), truth1.view(torch.int16))
+    cached = [slots_of(r, req, 32).clone() for r, req in zip(c.decode, first, strict=True)]
+    for r, req in zip(c.decode, first, strict=True):
+        cache_finished(r, req)
+        assert r.tree.total_size() == 32, r.tree.total_size()
+
+    padding = [(r.pool.k_buffer[0][:PAGE].clone(), r.pool.v_buffer[0][:PAGE].clone()) for r in c.decode]
+    _, second, truth2 = handoff(c, 702, 45, 12)
+    done = run_queues(c, lambda d: len(d["prefill"]) == p_tp and len(d["decode"]) == d_tp)
+    assert done["decode_failed"] == [], [abort_message(x.req) for x in done["decode_failed"]]
+    for r, req, slots in zip(c.decode, second, cached, strict=True):
+        assert req.kv.cache_protected_len == 32  # the prefix sglang promised prefill (decode_prefix_len)
+        assert torch.equal(slots_of(r, req, 32), slots)  # the tree's pages, not new ones
+    want = torch.cat([truth1[:, :, :32], truth2[:, :, 32:]], dim=2)
+    assert not torch.equal(truth1[:, :, :32], truth2[:, :, :32])
+    assert torch.equal(decode_kv(c, second, 45).view(torch.int16), want.view(torch.int16))
+    for req in second:
+        assert list(req.output_ids) == [4242], req.output_ids
+    for r, (k, v) in zip(c.decode, padding, strict=True):  # the prefix is named by page 0: never written
+        assert torch.equal(r.pool.k_buffer[0][:PAGE], k) and torch.equal(r.pool.v_buffer[0][:PAGE], v)
+    ring_empty(c)
+
+
+def test_dead_prefill_rank_fails_decode_with_peer_dead_and_frees_the_ring(queues_of: Any) -> None:
+    """Prefill TP 2 -> decode TP 1; prefill rank 1's agent dies after the first chunk: decode's transfer queue ends
+    the request with kvstage's `peer dead`, its pages go back to sglang's allocator and the ring is empty; prefill
+    rank 0, which lives, ends its request with `aborted by decode` once it has sent its last chunk, pages freed."""
+    c = queues_of(2, 1)
+    d = c.decode[0]
+    free, p_free = d.allocator.available_size(), c.prefill[0].allocator.available_size()
+    d_req = new_req("r711", 64, 711, c.port)
+    d.call(d.prealloc.add, d_req)
+    wait(lambda: (d.call(d.transfer.extend, d.call(d.prealloc.pop_preallocated)[0]), d.transfer.queue)[1])
+    truth = torch.randn(2, LAYERS, 64, HEADS, DIM).to(torch.bfloat16)
+    p_reqs = [new_req("r711", 64, 711, c.port) for _ in c.prefill]
+    for p, req in zip(c.prefill, p_reqs, strict=True):
+        p.call(p.bootstrap.add, req, p.pool.head_num)
+        assert p.call(p.bootstrap.pop_bootstrapped) == [req]
+        forward(p, req, truth)
+        req.extend_end = 16
+        p.call(p.sched.send_kv_chunk, req)
+    c.prefill[1].agent.close()  # prefill rank 1 dies mid-room
+    wait(lambda: (d.call(d.transfer.pop_transferred), not d.transfer.queue)[1], timeout_s=15)
+    assert "peer dead" in abort_message(d_req), abort_message(d_req)
+    assert d_req.kv.req_pool_idx is None and d.allocator.available_size() == free
+    ring_empty(c)
+    p, req = c.prefill[0], p_reqs[0]
+    req.extend_end = 64
+    req.output_ids.append(7)
+    p.sched.disagg_prefill_inflight_queue.append(req)
+    p.call(p.sched.send_kv_chunk, req, last_chunk=True)
+    wait(lambda: p.call(p.sched.process_disagg_prefill_inflight_queue))
+    assert "aborted by decode" in abort_message(req), abort_message(req)  # decode failed the room and said so
+    assert req.kv.req_pool_idx is None and p.allocator.available_size() == p_free
+
+
+def test_dead_decode_rank_fails_prefill_with_peer_dead_and_returns_its_pages(queues_of: Any) -> None:
+    """Prefill TP 1 -> decode TP 1; decode's agent dies once the room is registered: prefill's inflight queue ends
+    the request with kvstage's `peer dead`, its KV pages are sglang's again and prefill's agent holds no room."""
+    c = queues_of(1, 1)
+    p, d = c.prefill[0], c.decode[0]
+    free = p.allocator.available_size()
+    d_req = new_req("r712", 64, 712, c.port)
+    d.call(d.prealloc.add, d_req)
+    wait(lambda: (d.call(d.transfer.extend, d.call(d.prealloc.pop_preallocated)[0]), d.transfer.queue)[1])
+    truth = torch.randn(2, LAYERS, 64, HEADS, DIM).to(torch.bfloat16)
+    p_req = new_req("r712", 64, 712, c.port)
+    p.call(p.bootstrap.add, p_req, p.pool.head_num)
+    assert p.call(p.bootstrap.pop_bootstrapped) == [p_req]
+    forward(p, p_req, truth)
+    p_req.extend_end = 16
+    p.call(p.sched.send_kv_chunk, p_req)
+    wait(lambda: d.agent.snapshot().ring_high_water > 0)  # the first chunk reached decode's ring
+    d.agent.close()  # decode dies mid-room
+    p_req.extend_end = 64
+    p_req.output_ids.append(7)
+    p.sched.disagg_prefill_inflight_queue.append(p_req)
+    p.call(p.sched.send_kv_chunk, p_req, last_chunk=True)
+    wait(lambda: p.call(p.sched.process_disagg_prefill_inflight_queue), timeout_s=15)
+    assert "peer dead" in abort_message(p_req), abort_message(p_req)
+    assert p_req.kv.req_pool_idx is None and p.allocator.available_size() == free
+    wait(lambda: p.agent.wait_quiescent(0.05) and p.agent.snapshot().open_rooms == 0)
+
+
+def tp_handoff(c: Any, room: int) -> tuple[list[Any], torch.Tensor]:
+    """Prefill TP 1 -> decode TP 2 whose ranks share a real gloo group: the request's decode `Req`s and its KV."""
+    truth = torch.randn(2, LAYERS, 40, HEADS, DIM).to(torch.bfloat16)
+    d_reqs = [new_req(f"r{room}", 40, room, c.port) for _ in c.decode]
+    for r, req in zip(c.decode, d_reqs, strict=True):
+        r.call(r.prealloc.add, req)
+    p_req = new_req(f"r{room}", 40, room, c.port)
+    prefill_request(c.prefill[0], p_req, truth, 8, first_token=4242)
+    return d_reqs, truth
+
+
+def local_state(rank: Any) -> int:
+    """This rank's own poll of its one request in the transfer queue (what it would report without the group)."""
+    return int(rank.transfer.queue[0].kv_receiver.room.state) if rank.transfer.queue else -1
+
+
+def test_tp_ranks_commit_a_request_together_over_the_gloo_group(queues_of: Any) -> None:
+    """Decode rank 1's aux row is held back: rank 0's own poll says Success, but sglang's MIN over the TP group
+    keeps the request in rank 0's transfer queue too, until rank 1's row arrives; then both commit it in the same
+    turn, bit-exact. (Without the group, rank 0 would commit alone: a world of one per rank.)"""
+    c = queues_of(1, 2, decode_groups=tp_groups(2))
+    held: list[tuple[Any, ...]] = []
+    backend = c.decode[1].kv_manager.backend
+    fetch = backend.fetch_aux
+    backend.fetch_aux = lambda *args: held.append(args)  # rank 1 asks for its aux row only when let
+    d_reqs, truth = tp_handoff(c, 721)
+    run_queues_tp(c, lambda d: held and local_state(c.decode[0]) == 4)  # rank 0: KV and aux row in
+    done = run_queues_tp(c, lambda d: len(d["turns"]) >= 50)
+    assert done["decode"] == [] and local_state(c.decode[0]) == 4 and local_state(c.decode[1]) == 3
+    fetch(*held[0])
+    done = run_queues_tp(c, lambda d: d["decode"])
+    assert done["turns"][-1] == [[d_reqs[0]], [d_reqs[1]]], done["turns"][-1]  # both ranks, the same turn
+    assert torch.equal(decode_kv(c, d_reqs, 40).view(torch.int16), truth.view(torch.int16))
+    ring_empty(c)
+
+
+def test_one_tp_rank_failing_fails_the_request_on_every_rank(queues_of: Any) -> None:
+    """Decode rank 1 fails the room (its aux row never comes: planted); rank 0's own part succeeds. sglang's MIN
+    over the group makes it Failed on both ranks in the same turn: both abort the request with a reason, both
+    give their pages back, and both rings are empty."""
+    c = queues_of(1, 2, decode_groups=tp_groups(2))
+    backend = c.decode[1].kv_manager.backend
+    backend.aux_result = lambda room: "aux row not received: planted on decode rank 1"
+    free = [r.allocator.available_size() for r in c.decode]
+    d_reqs, _ = tp_handoff(c, 722)
+    done = run_queues_tp(c, lambda d: all(not r.prealloc.queue and not r.transfer.queue for r in c.decode))
+    assert done["decode"] == []
+    assert "another TP rank" in abort_message(d_reqs[0]), abort_message(d_reqs[0])
+    assert "planted on decode rank 1" in abort_message(d_reqs[1])
+    for r, req, n in zip(c.decode, d_reqs, free, strict=True):
+        assert req.kv.req_pool_idx is None and r.allocator.available_size() == n
+    ring_empty(c)
+
+
+def test_a_rank_failed_by_its_tp_group_stops_writing_the_pages_it_gave_back(queues_of: Any) -> None:
+    """Decode rank 1 fails the room before any KV is sent (planted: its room's outcome is a failure at once), so
+    sglang's MIN fails it on rank 0 too, whose own room is still waiting for prefill, and rank 0 gives its pages
+    back to sglang's allocator. Prefill then sends the whole request: nothing may land in those pages (sglang may
+    have given them to another request), and every ring ends empty. (Here rank 1's agent aborting the room makes
+    prefill fail it for rank 0 too, so the no-write check holds even without rank 0 aborting its own room in
+    `failure_exception`; the reason check is what fails without that.)"""
+    from kvstage.runtime import RoomOutcome
+
+    c = queues_of(1, 2, decode_groups=tp_groups(2))
+    d_reqs = [new_req("r723", 40, 723, c.port) for _ in c.decode]
+    for r, req in zip(c.decode, d_reqs, strict=True):
+        r.call(r.prealloc.add, req)
+    run_queues_tp(c, lambda d: all(r.transfer.queue for r in c.decode))  # both registered the room
+    d0 = c.decode[0]
+    pages = slots_of(d0, d_reqs[0], 40).clone()
+    backend, agent1 = c.decode[1].kv_manager.backend, c.decode[1].agent
+
+    def failed(room: int) -> RoomOutcome:  # planted: rank 1's room fails there (its agent ends it too)
+        agent1.abort(room)
+        return RoomOutcome(room, ok=False, reason="transfer failed")
+
+    backend.take_outcome = failed
+    run_queues_tp(c, lambda d: all(not r.transfer.queue for r in c.decode))
+    assert "another TP rank" in abort_message(d_reqs[0]), abort_message(d_reqs[0])
+    assert "transfer failed" in abort_message(d_reqs[1]), abort_message(d_reqs[1])
+    for layer in range(LAYERS):  # the freed pages, taken by another request: marked
+        d0.pool.k_buffer[layer][pages] = 7
+        d0.pool.v_buffer[layer][pages] = 7
+    truth = torch.randn(2, LAYERS, 40, HEADS, DIM).to(torch.bfloat16)
+    p_req = new_req("r723", 40, 723, c.port)
+    prefill_request(c.prefill[0], p_req, truth, 8, first_token=1)
+    p = c.prefill[0]
+    wait(lambda: p.call(p.sched.process_disagg_prefill_inflight_queue))
+    assert abort_message(p_req)
+    ring_empty(c)
+    for layer in range(LAYERS):
+        assert (d0.pool.k_buffer[layer][pages] == 7).all() and (d0.pool.v_buffer[layer][pages] == 7).all()
