@@ -213,6 +213,74 @@ def test_aborted_room_fails_on_both_sides_and_decode_gets_its_pages_back(make_cl
     assert decode.metrics.value("kvstage_room_failures_total", reason="aborted by decode") == 1
 
 
+def test_a_decode_room_the_engine_reclaims_mid_transfer_gets_no_byte_scattered_into_its_pages_afterwards(
+    make_cluster, monkeypatch
+):
+    """sglang frees a request's pages as soon as another TP rank failed it: `reclaim` returns only once a scatter
+    that is writing them has finished, and no scatter starts after it (later chunks never reach the pages)."""
+    import kvstage.runtime.decode as decode_module
+
+    real, armed, entered, release = (
+        decode_module.queue_scatter_region,
+        threading.Event(),
+        threading.Event(),
+        threading.Event(),
+    )
+
+    def held_scatter(*args, **kw):  # the real scatter, held once armed: the reactor is inside it
+        if armed.is_set() and not entered.is_set():
+            entered.set()
+            release.wait(10)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(decode_module, "queue_scatter_region", held_scatter)
+    cluster = make_cluster(2, 1)
+    decode, tokens = cluster.decode[0], 5 * CHUNK
+    kv = torch.randint(
+        0, 256, (2, LAYOUT.num_layers, tokens, LAYOUT.num_kv_heads, LAYOUT.head_bytes), dtype=torch.uint8
+    )
+    pages = decode.pool.allocator.allocate(tokens // LAYOUT.page_size, "room-12")
+    decode.expect_room(12, cluster.prefill_peers, tokens, 0, tuple(pages), timeout_s=20)
+    prefill_pages = []
+    for rank, agent in enumerate(cluster.prefill):
+        prefill_pages.append(agent.pool.allocator.allocate(tokens // LAYOUT.page_size, "room-12"))
+        heads = heads_of_rank(LAYOUT.num_kv_heads, 2, rank)
+        slots = agent.pool.slot_indices(prefill_pages[rank], 0, tokens)
+        _byte_view(agent.pool).index_copy_(2, slots, kv[:, :, :, heads.start : heads.stop])
+        agent.attach_room(12, tokens, 1, timeout_s=20)
+
+    def compute(end: int) -> None:
+        for rank, agent in enumerate(cluster.prefill):
+            agent.compute_scheduled(12, end)
+            agent.kv_ready(12, end, tuple(prefill_pages[rank]))
+
+    compute(CHUNK)
+    first = decode.pool.slot_indices(pages, 0, CHUNK)
+    deadline = time.monotonic() + 10
+    while not torch.equal(_byte_view(decode.pool).index_select(2, first), kv[:, :, :CHUNK]):  # the first chunk
+        assert time.monotonic() < deadline, "the first chunk never landed"
+        time.sleep(0.01)
+    armed.set()
+    compute(2 * CHUNK)
+    assert entered.wait(10), "the second chunk's scatter never started"
+    order: list[str] = []
+    reclaimer = threading.Thread(target=lambda: (decode.reclaim(12), order.append("reclaimed")))
+    reclaimer.start()
+    time.sleep(0.2)
+    order.append("scatter released")
+    release.set()
+    reclaimer.join(10)
+    assert order == ["scatter released", "reclaimed"], "reclaim returned while a scatter was writing the pages"
+    after = _byte_view(decode.pool).index_select(2, decode.pool.slot_indices(pages, 0, tokens)).clone()
+    compute(tokens)  # the rest of the prompt: its chunks must not reach the pages
+    outcome = wait_outcomes(decode, 1)[12]
+    assert not outcome.ok and outcome.reason == "aborted by decode"
+    time.sleep(0.3)
+    now = _byte_view(decode.pool).index_select(2, decode.pool.slot_indices(pages, 0, tokens))
+    assert torch.equal(now, after), "a scatter wrote into pages the engine had taken back"
+    assert decode.wait_quiescent(5)
+
+
 def test_decode_refuses_a_room_whose_pages_are_not_allocated_at_once_and_keeps_serving(make_cluster):
     cluster = make_cluster(2, 1)
     decode = cluster.decode[0]

@@ -54,6 +54,7 @@ from dataclasses import dataclass
 from typing import Any, assert_never
 
 import msgspec
+import torch
 
 from kvstage.dataplane import EngineKV, KVStore
 from kvstage.dataplane.engine_blocks import EngineBlocks, describe_blocks
@@ -85,6 +86,7 @@ from kvstage.runtime.directory import Resolver
 from kvstage.runtime.metrics import AgentMetrics
 from kvstage.runtime.peers import InboundFrame, PeerLinks
 from kvstage.runtime.reactor import DeviceWork, Mailbox, wait_for_work
+from kvstage.runtime.reclaim import PageClaims
 from kvstage.runtime.trace import ChunkTrace
 from kvstage.transport.auth import FrameAuth
 from kvstage.transport.bootstrap import PeerRecord
@@ -157,6 +159,7 @@ class BaseAgent(PeerLinks):
         self.pool_region: LocalRegion | None = None
         self.engine_blocks: EngineBlocks | None = None  # where an engine's KV lies in `pool_region` (direct path)
         self.device_work = DeviceWork(kv.device)  # the reactor's stream (GPU KV) for gathers and scatters
+        self._claims = PageClaims()  # the engine's hold on each room's pages, against the copies that use them
 
     # ---- lifecycle ---------------------------------------------------------------------------------------
 
@@ -245,6 +248,16 @@ class BaseAgent(PeerLinks):
     def abort(self, room: int) -> None:
         """Give up on `room`; its outcome (failed, "aborted by ...") comes back through `poll`."""
         self._mailbox.put(AbortRoom(room))
+
+    def reclaim(self, room: int) -> torch.cuda.Event | None:
+        """The engine takes `room`'s pages back now (vLLM preempted its request; sglang failed it on another TP
+        rank) and the room is aborted. When this returns no copy of kvstage's uses the pages any more (prefill: its
+        gathers read them; decode: its scatters write them): on the CPU a running copy has finished; on a GPU the
+        returned event follows every copy queued, and the engine's stream must wait on it before it uses the
+        pages (`PageClaims`). Never blocks on the network."""
+        event = self._claims.reclaim(room)
+        self._mailbox.put(AbortRoom(room))
+        return event
 
     def poll(self) -> list[RoomOutcome]:
         """Rooms that ended since the last call. Never blocks."""
@@ -443,8 +456,12 @@ class BaseAgent(PeerLinks):
 
     def _handle(self, event: Any) -> list[Any]:
         """The endpoint's actions for `event`; a `KVStageError` rejects an engine call (subclasses may check more
-        first)."""
-        return self.endpoint.handle(event, time.monotonic())
+        first). An abort of a room the endpoint no longer (or never) held drops the engine's claim on its pages: no
+        copy of it can be left."""
+        actions = self.endpoint.handle(event, time.monotonic())
+        if isinstance(event, AbortRoom) and self.endpoint.room_state(event.room) is None:
+            self._claims.forget(event.room)
+        return actions
 
     def _feed_actions(self, actions: list[Action]) -> None:
         for action in actions:

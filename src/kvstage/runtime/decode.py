@@ -124,6 +124,7 @@ class DecodeAgent(BaseAgent):
         reject the call at once, and every scatter of the room takes a view of the slots. A room whose path depends
         on its writers' records waits for them first (`_with_path`)."""
         if isinstance(event, AbortRoom) and event.room in self._unplaced:
+            self._claims.forget(event.room)  # never placed: no scatter of it ran
             self._posted_ready.pop(event.room, None)
             pages = self._unplaced.pop(event.room)[1].pages
             self._outcome(RoomOutcome(event.room, False, ABORTED_BY_DECODE, pages))
@@ -242,6 +243,7 @@ class DecodeAgent(BaseAgent):
     def _forget_room(self, room: int) -> None:
         self._slots.pop(room, None)
         self._pages_ready.pop(room, None)
+        self._claims.forget(room)  # its outcome is out: no scatter of it is left
 
     def _scatter(self, action: Scatter) -> None:
         """Queue the scatter on the agent's stream (on the CPU: copy it now); the room's in-flight count lets
@@ -256,8 +258,9 @@ class DecodeAgent(BaseAgent):
             if ready is not None and self.device_work.stream is not None:
                 self.device_work.stream.wait_event(ready)
             chunk_slots = slots.range(action.token_start, action.token_end)
-            return queue_scatter_region(self.ring_region.tensor, action.region.offset, action.plan, self.pool,
-                                        chunk_slots)  # fmt: skip
+            with self._claims.reading(action.room, self.device_work.stream):  # refused once the engine reclaimed
+                return queue_scatter_region(self.ring_region.tensor, action.region.offset, action.plan, self.pool,
+                                            chunk_slots)  # fmt: skip
 
         done = self.device_work.run(job, f"scatter of room {action.room} chunk {action.chunk}")
         self.trace.mark(action.room, action.chunk, "scatter_end")
@@ -320,7 +323,9 @@ class DecodeAgent(BaseAgent):
         return AgentSnapshot(
             open_rooms=base.open_rooms,
             quiescent=base.quiescent
-            and not (self._failed or self._freed or self._scatters or self._slots or self._unplaced),
+            and not (
+                self._failed or self._freed or self._scatters or self._slots or self._unplaced or len(self._claims)
+            ),
             ring_live_bytes=ring.live_bytes,
             ring_high_water=ring.high_water,
             pending_sends=base.pending_sends,

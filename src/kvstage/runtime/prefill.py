@@ -41,7 +41,6 @@ from kvstage.dataplane import KVPool, KVStore, PoolGeometry, RequestSlots, gathe
 from kvstage.dataplane.engine_blocks import EngineBlocks, block_runs
 from kvstage.errors import ConfigError, InvalidRequest, KVStageError, StagingOversized
 from kvstage.protocol import (
-    AbortRoom,
     Action,
     AttachRoom,
     ComputeScheduled,
@@ -65,7 +64,6 @@ from kvstage.runtime.agent import BaseAgent
 from kvstage.runtime.config import AgentConfig, AgentSnapshot, RoomOutcome
 from kvstage.runtime.imports import IMPORT_RETRY_S, PeerImports
 from kvstage.runtime.reactor import CopyDone
-from kvstage.runtime.reclaim import PageClaims
 from kvstage.transport.bootstrap import PeerRecord
 from kvstage.transport.data import (
     LocalRegion,
@@ -149,7 +147,6 @@ class PrefillAgent(BaseAgent):
         self._unresolved: list[tuple[float, WriteRegion | WriteDirect]] = []  # waiting for a newer decode record
         self._queued: dict[str, deque[_Ready]] = {}  # decode peer -> ready writes waiting for its window
         self._slots: dict[int, _RoomSlots] = {}  # active room -> its pages' slots, looked up at kv_ready
-        self._claims = PageClaims()  # the engine's hold on each room's pages, against the gathers reading them
         self.staging_region: LocalRegion
 
     # ---- engine-facing -----------------------------------------------------------------------------------
@@ -176,15 +173,6 @@ class PrefillAgent(BaseAgent):
             ready = torch.cuda.current_stream(self.pool.device).record_event()
         self._claims.set_ready(room, ready)
         self._mailbox.put(KVReady(room, end_tokens, tuple(pages)))
-
-    def reclaim(self, room: int) -> torch.cuda.Event | None:
-        """The engine takes `room`'s pages back (vLLM preempted its request) and the room is aborted. When this
-        returns, no gather reads the pages any more: on the CPU a running gather has finished; on a GPU the
-        returned event follows every gather queued, and the engine's stream must wait on it before it writes
-        the pages (`PageClaims`). Never blocks on the network."""
-        event = self._claims.reclaim(room)
-        self._mailbox.put(AbortRoom(room))
-        return event
 
     # ---- hooks -------------------------------------------------------------------------------------------
 
@@ -222,8 +210,6 @@ class PrefillAgent(BaseAgent):
         actions = super()._handle(event)
         if isinstance(event, KVReady) and self.endpoint.room_state(event.room) is PrefillRoomState.ACTIVE:
             self._look_up(event)
-        elif isinstance(event, AbortRoom) and self.endpoint.room_state(event.room) is None:
-            self._claims.forget(event.room)  # no room (any more): no gather of it can be left
         return actions
 
     def _look_up(self, event: KVReady) -> None:

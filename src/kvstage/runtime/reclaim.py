@@ -1,8 +1,10 @@
-"""When the engine takes a room's pages back while kvstage may still read them: `PageClaims`.
+"""When the engine takes a room's pages back while kvstage may still use them: `PageClaims`.
 
 vLLM frees a preempted request's blocks at once and may write another request's KV into them in the very next
-forward pass. A prefill agent reads those blocks on its reactor (the gathers), so the engine, before that
-forward, calls `PrefillAgent.reclaim(room)`, and this object makes the answer exact:
+forward pass; sglang frees a request's pages as soon as any TP rank of the instance failed it. A prefill agent
+reads those pages on its reactor (the gathers), a decode agent writes them (the scatters), so the engine, before
+it reuses them, calls the agent's `reclaim(room)`, and this object makes the answer exact (below, "gather" is
+either copy):
 
 - every gather of a room runs inside `reading(room)`, which refuses to start once the room was reclaimed and holds
   one lock while it reads (on the CPU) or queues its kernels and records their event (on a GPU);
@@ -14,8 +16,8 @@ forward, calls `PrefillAgent.reclaim(room)`, and this object makes the answer ex
 
 Invariants: after `reclaim(room)` returns, no gather of the room reads its pages, except on the device, ordered
 before the returned event; state is kept only for rooms with a gather or a ready event and goes with the room's
-outcome (`forget`). Called by runtime/prefill.py: `reading` on the reactor, `reclaim` and `set_ready` on the
-engine's thread, `forget` on the reactor.
+outcome (`forget`). Called by runtime/agent.py (`reclaim`, on the engine's thread), runtime/prefill.py and
+runtime/decode.py: `reading` and `forget` on the reactor, `set_ready` (prefill) on the engine's thread.
 """
 
 from __future__ import annotations

@@ -195,6 +195,26 @@ def test_decode_abort(cluster_of: Any) -> None:
     ring_empty(c)
 
 
+def test_a_room_sglang_clears_before_its_outcome_leaves_no_outcome_behind(cluster_of: Any) -> None:
+    """sglang may clear a receiver right after aborting it, before kvstage's outcome comes: the outcome is discarded
+    when it comes, so the backend keeps nothing of the room (before, it stayed in the outcome table for good)."""
+    c = cluster_of(1, 1)
+    (rx,) = receivers(c, 83)
+    wait(lambda: c.decode[0].mgr.try_ensure_parallel_info(c.addr))
+    rx.init(0)
+    rx.send_metadata(list(range(20, 30)), 3, None, decode_prefix_len=0)
+    rx.abort()
+    rx.clear()
+    backend = c.decode[0].mgr.backend
+    assert backend.kept_outcomes() == 1  # the outcome it still owes is marked for discarding
+    wait(lambda: backend.take_outcome(0) is None and backend.kept_outcomes() == 0)
+    (tx,) = senders(c, 83)  # prefill hears of the abort; its room fails and it, too, keeps nothing once cleared
+    tx.init(10, 3)
+    wait(lambda: tx.poll() == 0)
+    tx.clear()
+    assert c.prefill[0].mgr.backend.kept_outcomes() == 0
+
+
 def test_dead_peer(cluster_of: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """Decode waits for a prefill rank that dies before it sends: the room fails with a reason, the ring is empty."""
     c = cluster_of(1, 1)

@@ -152,12 +152,13 @@ class KVStageKVReceiver(BaseKVReceiver):  # type: ignore[misc]
 
 def _failure(room: SenderRoom | ReceiverRoom, bootstrap_room: int) -> KVTransferError:
     """Why sglang failed the request. sglang MIN-reduces poll states over the instance's TP ranks, so it may call
-    this on a rank whose own room did not fail: then the room is aborted here (sglang frees its pages next) and the
-    error says it came from another rank, as sglang's own backends mark it."""
+    this on a rank whose own room did not fail: then the room gives its pages back here (sglang frees them next;
+    no scatter or gather of kvstage's uses them after `give_back`) and the error says it came from another rank, as
+    sglang's own backends mark it."""
     if room.failure_reason:
         return KVTransferError(bootstrap_room, room.failure_reason)
     reason = f"failed on another TP rank of this instance (this rank's room was in poll state {room.state})"
-    room.abort()  # a no-op where the room ended here
+    room.give_back()  # sglang frees the pages next: no kvstage copy may use them after this
     room.state, room.failure_reason = 0, reason  # KVPoll.Failed, even where this rank's room succeeded
     return KVTransferError(bootstrap_room, reason, is_from_another_rank=True)
 

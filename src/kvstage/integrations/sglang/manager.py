@@ -91,6 +91,7 @@ class RankBackend:
         self.refused: Counter[str] = Counter()
         self.prefill_info_table: dict[str, PrefillInfo] = {}
         self._outcomes: dict[int, RoomOutcome] = {}
+        self._dropped: set[int] = set()  # rooms cleared before their outcome: it is discarded when it comes
         self._results: dict[int, bytes | str] = {}  # room -> its aux row (decode) / "" posted or an error (prefill)
         self._infos: dict[str, PrefillInfo | None] = {}  # address -> its info once answered (None: asked)
         self._lock = threading.Lock()
@@ -155,12 +156,21 @@ class RankBackend:
     def take_outcome(self, room: int) -> RoomOutcome | None:
         """`room`'s outcome, once (the agent's outcomes of every room are drained into a table first)."""
         for outcome in self.agent.poll():
-            self._outcomes[outcome.room] = outcome
+            if outcome.room in self._dropped:
+                self._dropped.discard(outcome.room)
+            else:
+                self._outcomes[outcome.room] = outcome
         return self._outcomes.pop(room, None)
 
-    def forget(self, room: int) -> None:
-        """Drop what is kept of `room` (its sender or receiver is done with it)."""
-        self._outcomes.pop(room, None)
+    def kept_outcomes(self) -> int:
+        """Outcomes taken from the agent and not yet asked for, plus rooms whose outcome will be discarded."""
+        return len(self._outcomes) + len(self._dropped)
+
+    def forget(self, room: int, awaiting: bool = False) -> None:
+        """Drop what is kept of `room` (its sender or receiver is done with it); `awaiting`: the agent still owes
+        its outcome, which is then discarded when it comes (every room the agent holds ends with one)."""
+        if self._outcomes.pop(room, None) is None and awaiting:
+            self._dropped.add(room)
         with self._lock:
             self._results.pop(room, None)
 

@@ -35,6 +35,8 @@ import logging
 import time
 from typing import Final
 
+import torch
+
 from kvstage.integrations.sglang.manager import RankBackend, check_room
 from kvstage.layout import plan_head_transfers, replica_turn
 from kvstage.protocol.reasons import ABORTED_BY_DECODE, ABORTED_BY_PREFILL
@@ -56,6 +58,8 @@ class _Room:
         self.state = WAITING
         self.failure_reason = ""
         self.kv_done = False
+        self.registered = False  # the agent holds the room (attached or expected): its outcome will come
+        self.outcome_seen = False
         if why := check_room(room):
             self.fail(why, refused=True)
 
@@ -74,13 +78,23 @@ class _Room:
         outcome = self.backend.take_outcome(self.room)
         if outcome is None:
             return
+        self.outcome_seen = True
         if outcome.ok:
             self.kv_done = True
         else:
             self.fail(outcome.reason)
 
     def clear(self) -> None:
-        self.backend.forget(self.room)
+        self.backend.forget(self.room, awaiting=self.registered and not self.outcome_seen)
+
+    def give_back(self) -> None:
+        """sglang takes the room's pages back now: once this returns no copy of kvstage's uses them (on the CPU a
+        running one has finished; on a GPU sglang's current stream waits for those queued), and the room is aborted."""
+        if not self.registered or self.outcome_seen:
+            return
+        event = self.backend.agent.reclaim(self.room)
+        if event is not None:
+            torch.cuda.current_stream().wait_event(event)
 
 
 class SenderRoom(_Room):
@@ -102,6 +116,7 @@ class SenderRoom(_Room):
         self.num_pages, self.aux_index = num_pages, aux_index
         tokens, timeout = num_pages * self.backend.page_size, self.backend.settings.room_timeout_s
         self.backend.agent.attach_room(self.room, tokens, 0, timeout)  # type: ignore[union-attr]
+        self.registered = True
 
     def send(self, pages: list[int], has_state: bool) -> None:
         if self.state == FAILED:
@@ -135,10 +150,9 @@ class SenderRoom(_Room):
         return self.state
 
     def abort(self) -> None:
-        """The room is aborted and its pages are sglang's again when this returns: `reclaim` waits for a gather
-        reading them (CPU) and starts no other."""
-        if self.state not in (FAILED, SUCCESS) and self.num_pages:
-            self.backend.agent.reclaim(self.room)  # type: ignore[union-attr]
+        """The room is aborted and its pages are sglang's again when this returns (`give_back`)."""
+        if self.state not in (FAILED, SUCCESS):
+            self.give_back()
         self.fail(ABORTED_BY_PREFILL)
 
 
@@ -191,6 +205,7 @@ class ReceiverRoom(_Room):
         peers = self.backend.prefill_info_table[self.mailbox].peers()
         timeout = self.backend.settings.room_timeout_s
         self.backend.agent.expect_room(self.room, peers, tokens, prefix_tokens, all_pages, timeout)  # type: ignore[union-attr]
+        self.registered = True
         self.state = TRANSFERRING
 
     def poll(self) -> int:
