@@ -137,3 +137,32 @@ def test_a_room_decode_takes_within_its_claim_time_lands_however_long_its_transf
     expect(pump, 6, 45, deadline=60.0)  # taken at 1.5 s; its grants are lost until 8 s (retried): no unclaimed
     pump.advance(20.0)
     assert all(pump.outcome(name, 6) == "ok" for name in pump.endpoints)
+
+
+def test_prefill_ranks_that_write_nothing_hear_decode_tp_from_decode_rank_0_and_end_at_once() -> None:
+    """Replicated heads (2 KV heads over 4 prefill ranks, one decode rank taking each head from one replica): two
+    prefill ranks write nothing. Attached without decode's TP, they used to wait for Metadata that never comes, to
+    the room's deadline; decode rank 0's writes-nothing notice now ends them as soon as decode registers."""
+    pump = make_pump(heads=2, prefill_tp=4, decode_tp=1)
+    attach(pump, 7, 24, decode_tp=0, deadline=60.0)
+    compute(pump, 7, 24)
+    expect(pump, 7, 24, deadline=60.0)
+    pump.advance(2.0)
+    writers = {a.peer for name in prefill_names(pump) for a in pump.actions_of(name, WriteRegion)}
+    assert writers == {"d0"}
+    assert all(pump.outcome(name, 7) == "ok" for name in pump.endpoints)
+    idle = [name for name in prefill_names(pump) if not pump.actions_of(name, WriteRegion)]
+    assert len(idle) == 2 and all(prefill(pump, name).open_rooms() == frozenset() for name in idle)
+    assert all_quiescent(pump)
+
+
+def test_a_writes_nothing_notice_to_a_rank_that_writes_is_refused_and_changes_nothing() -> None:
+    pump = make_pump()  # 8 heads over 2 prefill ranks: both write to d0
+    attach(pump, 8, 16, decode_tp=0)
+    compute(pump, 8, 16)
+    answer = inject(pump, "p0", "stranger", metadata(8, bystander=True))  # p0 writes to d0: the notice does not fit
+    assert [a.reason for a in sent(answer, Abort, "stranger")] == [reasons.BAD_METADATA]
+    assert pump.outcome("p0", 8) is None and prefill(pump).open_rooms() == frozenset({8})
+    expect(pump, 8, 16)
+    pump.advance(5.0)
+    assert all(pump.outcome(name, 8) == "ok" for name in pump.endpoints)

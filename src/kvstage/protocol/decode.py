@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvstage.errors import ConfigError, InvalidRequest, StagingOversized
-from kvstage.layout import ChunkGrid, StagingPlan, pages_for, replica_turn
+from kvstage.layout import ChunkGrid, StagingPlan, pages_for, plan_head_transfers, replica_turn
 from kvstage.protocol import reasons
 from kvstage.protocol.actions import FenceScatter, FreePages, RoomFailed, RoomSucceeded, Scatter
 from kvstage.protocol.base import EndpointCore, Peer
@@ -88,6 +88,7 @@ class _Room:
     safe: dict[str, None] = field(default_factory=dict)  # writers none of whose writes can still land
     safe_at: dict[str, float] = field(default_factory=dict)  # restarted writers: safe from then on (R13)
     bound: dict[str, tuple[int, int]] = field(default_factory=dict)  # writer -> incarnation that served the room
+    bystanders: dict[str, None] = field(default_factory=dict)  # rank 0: prefill ranks that write to no decode rank
     pages_returned: bool = False
     regions_freed: bool = False
     prompt: bytes = b""  # digest of the prompt's tokens, sent in Metadata (empty: unchecked)
@@ -169,25 +170,39 @@ class DecodeEndpoint(EndpointCore):
         if r.path != DIRECT and largest.total_bytes > self._ring.capacity_bytes:
             self._fail(r, reasons.STAGING_OVERSIZED)  # R3: at once, no fallback to another path
             return
-        ttl = max(0.0, r.deadline - self._now)
         for peer_id, slot in r.writers.items():
-            metadata = Metadata(
-                room=r.room,
-                decode_rank=self.config.rank,
-                decode_tp=self.config.tp_size,
-                prefill_tp=r.prefill_tp,
-                num_tokens=r.num_tokens,
-                prefix_tokens=r.prefix_tokens,
-                chunk_tokens=self.config.chunk_tokens,
-                page_size=self.config.layout.page_size,
-                path=r.path,
-                epoch=r.epoch,
-                ttl_s=ttl,
-                pages=r.pages if r.path == DIRECT else (),
-                ring_bytes=0 if r.path == DIRECT else self._ring.capacity_bytes,
-                prompt=r.prompt,
-            )
-            self._request("meta", peer_id, metadata, slot)
+            self._request("meta", peer_id, self._metadata(r), slot)
+        if self.config.rank == 0:  # the prefill ranks no decode rank hears from learn decode's TP from rank 0
+            for rank in self._idle_writers(r):
+                r.bystanders[event.prefill_peers[rank]] = None
+                self._request("meta", event.prefill_peers[rank], self._metadata(r, bystander=True))
+
+    def _metadata(self, r: _Room, bystander: bool = False) -> Metadata:
+        return Metadata(
+            room=r.room,
+            decode_rank=self.config.rank,
+            decode_tp=self.config.tp_size,
+            prefill_tp=r.prefill_tp,
+            num_tokens=r.num_tokens,
+            prefix_tokens=r.prefix_tokens,
+            chunk_tokens=self.config.chunk_tokens,
+            page_size=self.config.layout.page_size,
+            path=r.path,
+            epoch=r.epoch,
+            ttl_s=max(0.0, r.deadline - self._now),
+            pages=r.pages if r.path == DIRECT and not bystander else (),
+            ring_bytes=0 if r.path == DIRECT else self._ring.capacity_bytes,
+            prompt=r.prompt,
+            bystander=bystander,
+        )
+
+    def _idle_writers(self, r: _Room) -> list[int]:
+        """The prefill ranks that write to no decode rank of this instance in `r` (replicated heads, or an MLA
+        latent, from a larger prefill TP)."""
+        cfg = self.config
+        turn = replica_turn(r.room, r.prefill_tp)
+        transfers = plan_head_transfers(cfg.layout.num_kv_heads, r.prefill_tp, cfg.tp_size, turn)
+        return sorted(set(range(r.prefill_tp)) - {t.prefill_rank for t in transfers})
 
     def _register(self, event: ExpectRoom) -> _Room:
         cfg = self.config
@@ -268,6 +283,8 @@ class DecodeEndpoint(EndpointCore):
             r.bound[peer.peer_id] = peer.incarnation
 
     def _on_metadata_ack(self, peer: Peer, body: MetadataAck) -> None:
+        if self._bystander_answered(peer, body.room):
+            return
         r = self._writer_room(peer, body.room, "MetadataAck")
         if r is not None and not self._answered("meta", peer.peer_id, r.room, r.writers[peer.peer_id]):
             self.stats.duplicates += 1
@@ -378,8 +395,20 @@ class DecodeEndpoint(EndpointCore):
             self._out.append(RoomSucceeded(r.room))
             self._forget(r, None)
 
+    def _bystander_answered(self, peer: Peer, room: int) -> bool:
+        """A bystander answered its notice (`MetadataAck`, or `Abort`: its room had ended): stop re-sending it."""
+        r = self._rooms.get(room)
+        if r is None or peer.peer_id not in r.bystanders:
+            return False
+        del r.bystanders[peer.peer_id]
+        self._answered("meta", peer.peer_id, room)
+        return True
+
     def _on_abort(self, peer: Peer, body: Abort) -> None:
         """A writer failed the room; its Abort also says that none of its writes can still land."""
+        if self._bystander_answered(peer, body.room):  # a rank that writes nothing: its room ended, this one goes on
+            self._send(peer.peer_id, AbortAck(room=body.room))
+            return
         r = self._writer_room(peer, body.room, "Abort")
         self._send(peer.peer_id, AbortAck(room=body.room))
         if r is not None:

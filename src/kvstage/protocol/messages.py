@@ -104,6 +104,11 @@ class Metadata(_Body, frozen=True, tag="meta"):
     room may still live, relative to the receiver's clock when it arrives. `prompt` is a digest of the room's
     prompt tokens as the decode engine knows them (empty: not checked); P fails a room whose engine computes
     another prompt, so a misrouted room never lands.
+
+    `bystander`: decode rank 0's notice to a prefill rank that writes to no decode rank in this room (replicated
+    heads, or an MLA latent, from a larger prefill TP): it tells that rank decode's TP size, so a room it attached
+    without one (vLLM's sequential flow, sglang) ends at once instead of waiting for Metadata that never comes.
+    Answered with `MetadataAck`; it links nothing.
     """
 
     room: RoomId
@@ -120,6 +125,7 @@ class Metadata(_Body, frozen=True, tag="meta"):
     pages: Pages = ()
     ring_bytes: ByteOffset = 0  # staged: capacity of D's ring, so a grant beyond it is refused (0: unknown)
     prompt: Digest = b""
+    bystander: bool = False  # a notice to a rank that writes nothing in this room (see above)
 
 
 class MetadataAck(_Body, frozen=True, tag="meta_ack"):

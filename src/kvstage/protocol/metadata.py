@@ -34,7 +34,9 @@ def metadata_problem(config: PrefillConfig, m: Metadata) -> str | None:
         targets = transfers_of_writer(config.layout.num_kv_heads, config.tp_size, m.decode_tp, config.rank, turn)
     except ConfigError:
         return "decode TP size incompatible with the KV heads"
-    if m.decode_rank not in targets:
+    if m.bystander and targets:
+        return "a writes-nothing notice to a rank that writes in this room"
+    if not m.bystander and m.decode_rank not in targets:
         return "metadata from a decode rank this rank does not write to"
     if not 0 <= m.prefix_tokens < m.num_tokens or m.prefix_tokens % page_size:
         return "prefix not page-aligned or not below num_tokens"

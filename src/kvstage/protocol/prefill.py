@@ -21,7 +21,7 @@ and sim/.
 from __future__ import annotations
 
 from kvstage.errors import ConfigError, InvalidRequest
-from kvstage.layout import WriterBlock, page_slice, pages_for, replica_turn
+from kvstage.layout import WriterBlock, page_slice, pages_for
 from kvstage.protocol import reasons
 from kvstage.protocol.actions import RoomFailed, RoomSucceeded, WriteDirect, WriteRegion
 from kvstage.protocol.base import EndpointCore, Peer
@@ -41,8 +41,7 @@ from kvstage.protocol.messages import (
     StagingRequest,
 )
 from kvstage.protocol.metadata import attached_metadata_problem, metadata_problem
-from kvstage.protocol.plans import transfers_of_writer
-from kvstage.protocol.prefill_rooms import Link, WriterChunk, WriterRoom
+from kvstage.protocol.prefill_rooms import Link, WriterChunk, WriterRoom, write_failure, writer_targets
 from kvstage.protocol.states import PREFILL_CHUNK, PREFILL_ROOM, ChunkTrigger, PrefillRoomState, PrefillTrigger
 from kvstage.ring import Allocation, Watermark, region_ready
 
@@ -124,7 +123,7 @@ class PrefillEndpoint(EndpointCore):
             raise InvalidRequest(f"room {event.room}: num_tokens must be positive and claim_s >= 0, got "
                                  f"{event.num_tokens} and {event.claim_s}")  # fmt: skip
         try:
-            targets = self._targets(event.room, event.decode_tp)
+            targets = writer_targets(self.config, event.room, event.decode_tp)
         except ConfigError as exc:
             raise InvalidRequest(f"room {event.room}: decode_tp={event.decode_tp} is unusable: {exc}") from exc
         self.stats.rooms_opened += 1
@@ -141,14 +140,6 @@ class PrefillEndpoint(EndpointCore):
             peer = self._peers.get(peer_id)
             if peer is not None:
                 self._adopt(r, peer, metadata)
-
-    def _targets(self, room: int, decode_tp: int) -> frozenset[int]:
-        """The decode ranks this rank writes `room` to for a decode instance of TP `decode_tp` (0: not known yet)."""
-        if not decode_tp:
-            return frozenset()
-        cfg = self.config
-        turn = replica_turn(room, cfg.tp_size)
-        return frozenset(transfers_of_writer(cfg.layout.num_kv_heads, cfg.tp_size, decode_tp, cfg.rank, turn))
 
     def _on_compute_scheduled(self, event: ComputeScheduled) -> None:
         r = self._engine_room(event.room)
@@ -240,6 +231,9 @@ class PrefillEndpoint(EndpointCore):
 
     def _adopt(self, r: WriterRoom, peer: Peer, m: Metadata) -> None:
         """Link `r` to the decode rank that sent `m` (idempotent), or fail the room if `m` does not fit it."""
+        if m.bystander:
+            self._stand_by(r, peer, m)
+            return
         link = r.links.get(peer.peer_id)
         if link is not None:
             self.stats.duplicates += 1
@@ -250,7 +244,7 @@ class PrefillEndpoint(EndpointCore):
             return
         problem = attached_metadata_problem(self.config, m, r.num_tokens, r.decode_tp or m.decode_tp, r.ranks, r.prompt)
         if problem is None and not r.decode_tp:  # the first decode rank's Metadata says decode's TP size
-            r.decode_tp, r.targets = m.decode_tp, self._targets(r.room, m.decode_tp)
+            r.decode_tp, r.targets = m.decode_tp, writer_targets(self.config, r.room, m.decode_tp)
         if problem is not None:
             self.stats.reject(problem)
             self._send(peer.peer_id, Abort(room=r.room, reason=reasons.BAD_METADATA))
@@ -263,6 +257,20 @@ class PrefillEndpoint(EndpointCore):
         peer.rooms[r.room] = None
         self._send(peer.peer_id, MetadataAck(room=r.room))
         self._pump_link(r, link)
+
+    def _stand_by(self, r: WriterRoom, peer: Peer, m: Metadata) -> None:
+        """Decode rank 0's notice that this rank writes to no decode rank in `r`: a room attached without decode's TP
+        succeeds, having nothing to write. A notice that does not fit is refused and changes nothing."""
+        peer.rooms.pop(r.room, None)
+        decode_tp = r.decode_tp or m.decode_tp
+        problem = attached_metadata_problem(self.config, m, r.num_tokens, decode_tp, r.ranks, r.prompt)
+        if problem is not None or r.links or not PREFILL_ROOM.can(r, _T.SUCCEED):
+            self.stats.reject(problem or "a writes-nothing notice for a room that is linked or ending")
+            self._send(peer.peer_id, Abort(room=r.room, reason=reasons.BAD_METADATA))
+            return
+        self._send(peer.peer_id, MetadataAck(room=r.room))
+        r.decode_tp = decode_tp
+        self._succeed(r, _T.SUCCEED)
 
     # ---- chunk flow -------------------------------------------------------------------------------------------
     def _pump(self, r: WriterRoom) -> None:
@@ -445,7 +453,7 @@ class PrefillEndpoint(EndpointCore):
                 self._drained(r)
             return
         if not ok:  # a write that failed because decode is gone ends the room as the liveness check would
-            self._fail(r, _write_failure(reason, peer_gone))
+            self._fail(r, write_failure(reason, peer_gone))
             return
         link = r.links[peer_id]
         chunk = link.chunks[index]
@@ -585,11 +593,3 @@ class PrefillEndpoint(EndpointCore):
             peer = self._peers.get(peer_id)
             if peer is not None:
                 peer.rooms.pop(r.room, None)
-
-
-def _write_failure(reason: str, peer_gone: bool) -> str:
-    """The room's reason for a failed write: the peer is gone ("peer dead", as the liveness check would say), the
-    write was refused for a lapsed lease ("lease expired", R13), or else "transfer failed"."""
-    if peer_gone:
-        return reasons.PEER_DEAD
-    return reasons.LEASE_EXPIRED if reason == reasons.LEASE_EXPIRED else reasons.TRANSFER_FAILED

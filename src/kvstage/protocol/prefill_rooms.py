@@ -111,3 +111,20 @@ class WriterRoom:
         if self.claim_by == when and not self.links:
             return reasons.UNCLAIMED
         return None
+
+
+def writer_targets(config: PrefillConfig, room: int, decode_tp: int) -> frozenset[int]:
+    """The decode ranks the rank of `config` writes `room` to for a decode instance of TP `decode_tp` (0: not known
+    yet: none)."""
+    if not decode_tp:
+        return frozenset()
+    turn = replica_turn(room, config.tp_size)
+    return frozenset(transfers_of_writer(config.layout.num_kv_heads, config.tp_size, decode_tp, config.rank, turn))
+
+
+def write_failure(reason: str, peer_gone: bool) -> str:
+    """The room's reason for a failed write: the peer is gone ("peer dead", as the liveness check would say), the
+    write was refused for a lapsed lease ("lease expired", R13), or else "transfer failed"."""
+    if peer_gone:
+        return reasons.PEER_DEAD
+    return reasons.LEASE_EXPIRED if reason == reasons.LEASE_EXPIRED else reasons.TRANSFER_FAILED

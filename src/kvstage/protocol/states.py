@@ -242,7 +242,13 @@ PREFILL_ROOM: Table[PrefillRoomState, PrefillTrigger] = Table(
             "region ready and KV computed: `WriteRegion` or `WriteDirect`, else park; `ChunkAck` drops its chunk",
         ),
         Edge(_P.ACTIVE, _PT.WRITTEN, _P.ACTIVE, "`Completion(write)`", "ok: `ChunkReady` (retried until `ChunkAck`)"),
-        Edge(_P.ACTIVE, _PT.SUCCEED, _P.FORGOTTEN, "last `ChunkAck` of every link", "`RoomSucceeded`; forget"),
+        Edge(
+            _P.ACTIVE,
+            _PT.SUCCEED,
+            _P.FORGOTTEN,
+            "last `ChunkAck` of every link, or (no link) decode rank 0's writes-nothing `Metadata`",
+            "`RoomSucceeded`; forget",
+        ),
         Edge(
             _P.ACTIVE,
             _PT.FAIL,

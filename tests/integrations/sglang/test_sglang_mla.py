@@ -2,9 +2,9 @@
 kv_lora_rank + rope_dim]` per layer, the same on every TP rank, and hands the backend only those buffers (no K/V
 split, no head counts). kvstage moves the latent as it moves vLLM's (one head every rank holds whole), so each
 decode rank gets the whole latent from one prefill rank. Driven as sglang's queues drive the sender and receiver
-(test_sglang_transfer.py), over real agents on the local backend; checked bit for bit on every decode rank. A prefill
-TP above decode's is refused by decode at once: the prefill ranks that write nothing would never hear of the room
-(sglang's own backends send those ranks dummy requests; kvstage's protocol has no such message yet)."""
+(test_sglang_transfer.py), over real agents on the local backend; checked bit for bit on every decode rank. From a
+larger prefill TP some prefill ranks write nothing: decode rank 0's writes-nothing notice (`Metadata.bystander`)
+ends their side of the room at once, as sglang's own backends' dummy requests do."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ def _slots(pages: list[int], tokens: int) -> torch.Tensor:
     return (torch.tensor(pages).view(-1, 1) * PAGE + torch.arange(PAGE)).view(-1)[:tokens]
 
 
-@pytest.mark.parametrize(("p_tp", "d_tp"), [(1, 2), (2, 2), (1, 1)])
+@pytest.mark.parametrize(("p_tp", "d_tp"), [(1, 2), (2, 2), (1, 1), (2, 1), (4, 2)])
 def test_an_mla_latent_lands_whole_and_bit_exact_on_every_decode_rank(
     monkeypatch: pytest.MonkeyPatch, p_tp: int, d_tp: int
 ) -> None:
@@ -54,19 +54,5 @@ def test_an_mla_latent_lands_whole_and_bit_exact_on_every_decode_rank(
             got = torch.stack([buffer[_slots(d_pages, tokens), 0] for buffer in r.k])
             assert torch.equal(got.view(torch.int16), truth.view(torch.int16))
             assert r.mgr.backend.agent.wait_quiescent(5) and r.mgr.backend.agent.snapshot().ring_live_bytes == 0
-    finally:
-        c.close()
-
-
-def test_mla_from_a_larger_prefill_tp_is_refused_by_decode_naming_why(monkeypatch: pytest.MonkeyPatch) -> None:
-    from sglang.srt.disaggregation.base import KVPoll
-
-    c = make_cluster(2, 1, next(_ports), monkeypatch, mla=True)
-    try:
-        (rx,) = receivers(c, 92)
-        wait(lambda: c.decode[0].mgr.try_ensure_parallel_info(c.addr))
-        rx.init(0)
-        assert rx.poll() == KVPoll.Failed
-        assert "prefill ranks [1] of TP 2 write nothing to decode TP 1" in rx.room.failure_reason
     finally:
         c.close()

@@ -38,7 +38,6 @@ from typing import Final
 import torch
 
 from kvstage.integrations.sglang.manager import RankBackend, check_room
-from kvstage.layout import plan_head_transfers, replica_turn
 from kvstage.protocol.reasons import ABORTED_BY_DECODE, ABORTED_BY_PREFILL
 
 log = logging.getLogger(__name__)
@@ -169,24 +168,10 @@ class ReceiverRoom(_Room):
     def init(self) -> None:
         if self.state == FAILED:
             return
-        info = self.backend.prefill_info_table.get(self.mailbox)
-        if info is None:
+        if self.mailbox not in self.backend.prefill_info_table:
             self.fail(f"prefill {self.mailbox} unknown: its instance was never found")
             return
-        idle = self._idle_prefill_ranks(info.tp_size)
-        if idle:
-            self.fail(f"invalid request: prefill ranks {idle} of TP {info.tp_size} write nothing to decode TP "
-                      f"{self.backend.place.tp_size} in this room (replicated KV heads, or an MLA latent, from a "
-                      "larger prefill TP) and would never hear of it", refused=True)  # fmt: skip
-            return
         self.state = WAITING
-
-    def _idle_prefill_ranks(self, prefill_tp: int) -> list[int]:
-        """The prefill ranks that write to no decode rank of this instance in this room: kvstage's decode ranks
-        send them nothing (sglang's own backends send such ranks dummy requests; kvstage's protocol cannot yet)."""
-        heads, turn = self.backend.rank_kv.layout.num_kv_heads, replica_turn(self.room, prefill_tp)
-        writers = {t.prefill_rank for t in plan_head_transfers(heads, prefill_tp, self.backend.place.tp_size, turn)}
-        return sorted(set(range(prefill_tp)) - writers)
 
     def send_metadata(self, pages: list[int], aux_index: int | None, prefix_tokens: int) -> None:
         if self.state != WAITING:
