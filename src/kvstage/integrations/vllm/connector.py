@@ -215,11 +215,9 @@ class KVStageConnector(KVConnectorBase_V1):
 
 
 def scheduler_instance(vllm_config: VllmConfig, name: str) -> Instance:
-    """The instance the scheduler side serves. vLLM's sequential flow needs every prefill rank to write to some
-    decode rank, whatever decode's TP size: a rank whose heads a replica writes would never hear of decode."""
-    tp, heads = vllm_config.parallel_config.tensor_parallel_size, vllm_config.model_config.get_total_num_kv_heads()
-    replicated = f"prefill TP {tp} > {heads} KV heads (replicated heads) is not served in vLLM's sequential flow"
-    return Instance(name, tp, replicated if tp > heads else "")
+    """The instance the scheduler side serves. In vLLM's sequential flow a prefill rank that writes to no decode
+    rank (replicated heads) hears decode's TP from decode rank 0's writes-nothing notice, so every TP is served."""
+    return Instance(name, vllm_config.parallel_config.tensor_parallel_size)
 
 
 def engine_facts(vllm_config: VllmConfig, producer: bool) -> EngineFacts:

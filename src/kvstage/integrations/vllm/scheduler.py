@@ -84,11 +84,10 @@ class Ticket:
 @dataclass(frozen=True, slots=True)
 class Instance:
     """The instance a scheduler side serves: its name and TP size (prefill names them in its sequential-flow
-    answer), and why it cannot serve vLLM's sequential flow ('' when it can)."""
+    answer)."""
 
     name: str
     tp_size: int
-    no_sequential: str = ""
 
 
 @dataclass(slots=True)
@@ -171,10 +170,9 @@ class SchedulerSide:
         self._tickets[req_id] = ticket
         return ticket
 
-    def _sequential_room(self, room: int) -> RoomParams | str:
+    @staticmethod
+    def _sequential_room(room: int) -> RoomParams:
         """A prefill request of vLLM's sequential flow: room `room` (0: one drawn here), for a decode not known yet."""
-        if self._instance.no_sequential:
-            return f"do_remote_decode: {self._instance.no_sequential}"
         return RoomParams(room or secrets.randbelow(MAX_ROOM) + 1, "", 0)
 
     def _release_ticket(self, req_id: str) -> Ticket | None:
