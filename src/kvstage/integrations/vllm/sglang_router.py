@@ -60,6 +60,8 @@ ROUTES = frozenset({"/v1/completions", "/v1/chat/completions"})
 ROOM_FIELD, HOST_FIELD, PORT_FIELD = "bootstrap_room", "bootstrap_host", "bootstrap_port"
 #: A larger body is passed on without being read into memory here.
 MAX_BODY_BYTES = 64 * 2**20
+#: Why a request from sglang-router ran without kvstage (the labels of `counts`).
+BAD_ROOM, NO_PREFILL = "bad bootstrap_room", "no prefill for bootstrap_host:bootstrap_port"
 #: How long a directory listing answers lookups before it is asked again.
 LISTING_TTL_S = 10.0
 
@@ -69,7 +71,7 @@ class _BootstrapFields:
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
-        self.counts: Counter[str] = Counter()  # "handed" or why a request ran without kvstage
+        self.counts: Counter[str] = Counter()  # "handed", or why a request ran without kvstage (a fixed label)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope.get("method") != "POST" or scope.get("path") not in ROUTES:
@@ -93,19 +95,20 @@ class _BootstrapFields:
             return body
         room = request.get(ROOM_FIELD)
         if not isinstance(room, int) or isinstance(room, bool) or not 0 < room <= MAX_ROOM:
-            return self._without_kvstage(body, f"{ROOM_FIELD} must be an integer in [1, 2**63), got {room!r:.60}")
+            why = f"{ROOM_FIELD} must be an integer in [1, 2**63), got {room!r:.60}"
+            return self._without_kvstage(body, BAD_ROOM, why)
         try:
             params = await self._params(request, room)
         except KVStageError as exc:
-            return self._without_kvstage(body, str(exc))
+            return self._without_kvstage(body, NO_PREFILL, str(exc))
         for field in (ROOM_FIELD, HOST_FIELD, PORT_FIELD):
             request.pop(field, None)
         request["kv_transfer_params"] = params
         self.counts["handed"] += 1
         return json.dumps(request).encode()
 
-    def _without_kvstage(self, body: bytes, why: str) -> bytes:
-        self.counts[why.split(":")[0]] += 1
+    def _without_kvstage(self, body: bytes, label: str, why: str) -> bytes:
+        self.counts[label] += 1  # a fixed label: what a client sends never adds a key
         log.warning("kvstage: a request from sglang-router runs without kvstage: %s", why)
         return body
 
