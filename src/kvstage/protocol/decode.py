@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvstage.errors import ConfigError, InvalidRequest, StagingOversized
-from kvstage.layout import ChunkGrid, StagingPlan, pages_for, plan_head_transfers, replica_turn
+from kvstage.layout import ChunkGrid, StagingPlan, pages_for, replica_turn
 from kvstage.protocol import reasons
 from kvstage.protocol.actions import FenceScatter, FreePages, RoomFailed, RoomSucceeded, Scatter
 from kvstage.protocol.base import EndpointCore, Peer
@@ -50,7 +50,7 @@ from kvstage.protocol.messages import (
     StagingRequest,
     WireWatermark,
 )
-from kvstage.protocol.plans import choose_path, staging_plan
+from kvstage.protocol.plans import choose_path, idle_writers, staging_plan
 from kvstage.protocol.states import DECODE_ROOM, DecodeRoomState, DecodeTrigger
 from kvstage.ring import Allocation, StagingRing
 
@@ -173,7 +173,8 @@ class DecodeEndpoint(EndpointCore):
         for peer_id, slot in r.writers.items():
             self._request("meta", peer_id, self._metadata(r), slot)
         if self.config.rank == 0:  # the prefill ranks no decode rank hears from learn decode's TP from rank 0
-            for rank in self._idle_writers(r):
+            turn = replica_turn(r.room, r.prefill_tp)
+            for rank in idle_writers(self.config.layout.num_kv_heads, r.prefill_tp, self.config.tp_size, turn):
                 r.bystanders[event.prefill_peers[rank]] = None
                 self._request("meta", event.prefill_peers[rank], self._metadata(r, bystander=True))
 
@@ -195,14 +196,6 @@ class DecodeEndpoint(EndpointCore):
             prompt=r.prompt,
             bystander=bystander,
         )
-
-    def _idle_writers(self, r: _Room) -> list[int]:
-        """The prefill ranks that write to no decode rank of this instance in `r` (replicated heads, or an MLA
-        latent, from a larger prefill TP)."""
-        cfg = self.config
-        turn = replica_turn(r.room, r.prefill_tp)
-        transfers = plan_head_transfers(cfg.layout.num_kv_heads, r.prefill_tp, cfg.tp_size, turn)
-        return sorted(set(range(r.prefill_tp)) - {t.prefill_rank for t in transfers})
 
     def _register(self, event: ExpectRoom) -> _Room:
         cfg = self.config

@@ -21,6 +21,13 @@ def choose_path(attention: str, prefill_tp: int, decode_tp: int, staged_only: bo
     return DIRECT if not staged_only and (attention == "mla" or prefill_tp == decode_tp) else STAGED
 
 
+@lru_cache(maxsize=1024)
+def idle_writers(num_kv_heads: int, prefill_tp: int, decode_tp: int, turn: int = 0) -> tuple[int, ...]:
+    """The prefill ranks that write to no decode rank (replicated heads, or an MLA latent, from a larger prefill TP)."""
+    writers = {t.prefill_rank for t in plan_head_transfers(num_kv_heads, prefill_tp, decode_tp, turn)}
+    return tuple(rank for rank in range(prefill_tp) if rank not in writers)
+
+
 @lru_cache(maxsize=4096)
 def staging_plan(
     layout: KVLayout, prefill_tp: int, decode_tp: int, decode_rank: int, num_tokens: int, turn: int = 0

@@ -33,6 +33,7 @@ import json
 import logging
 import os
 import time
+from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
@@ -64,9 +65,12 @@ MAX_BODY_BYTES = 64 * 2**20
 BAD_ROOM, NO_PREFILL = "bad bootstrap_room", "no prefill for bootstrap_host:bootstrap_port"
 #: How long a directory listing answers lookups before it is asked again.
 LISTING_TTL_S = 10.0
+#: A lookup that misses asks the directory again only if the listing is at least this old: requests naming hosts
+#: nobody publishes cost the directory at most one listing per this many seconds.
+MISS_RELIST_S = 1.0
 
 
-class _BootstrapFields:
+class _BootstrapFields(ABC):
     """The ASGI plumbing both middlewares share: read a route's JSON body, let the role rewrite it, replay it."""
 
     def __init__(self, app: ASGIApp) -> None:
@@ -112,10 +116,10 @@ class _BootstrapFields:
         log.warning("kvstage: a request from sglang-router runs without kvstage: %s", why)
         return body
 
+    @abstractmethod
     async def _params(self, request: dict[str, Any], room: int) -> dict[str, object]:
         """subclass: the connector's `kv_transfer_params` for `request` in `room` (and any change of `request`);
         `KVStageError` naming why it cannot have any."""
-        raise NotImplementedError
 
 
 class PrefillBehindSGLangRouter(_BootstrapFields):
@@ -147,8 +151,8 @@ class DecodeBehindSGLangRouter(_BootstrapFields):
 
 class PrefillLocator:
     """Which kvstage prefill instance serves at a host and port: from the directory's listing of instances (their
-    published URLs), asked in a worker thread at most once per `LISTING_TTL_S` and again at a miss, one call at a
-    time, so the event loop never waits on the directory."""
+    published URLs), asked in a worker thread at most once per `LISTING_TTL_S`, and at a miss at most once per
+    `MISS_RELIST_S`, one call at a time, so the event loop never waits on the directory."""
 
     def __init__(self, bootstrap: str, *, timeout_s: float = 2.0) -> None:
         self._bootstrap = bootstrap
@@ -160,9 +164,9 @@ class PrefillLocator:
 
     async def prefill_at(self, host: str, port: int) -> tuple[str, int]:
         """(instance name, TP size) of the complete prefill instance at `host:port`; `KVStageError` if none is."""
-        found = self._find(host, port)
         async with self._lock:
-            if found is None or time.monotonic() - self._asked_at > LISTING_TTL_S:
+            found, age = self._find(host, port), time.monotonic() - self._asked_at
+            if age > LISTING_TTL_S or (found is None and age > MISS_RELIST_S):
                 self._listing = await anyio.to_thread.run_sync(self._list)
                 self._asked_at = time.monotonic()
                 found = self._find(host, port)
