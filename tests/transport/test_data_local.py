@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import itertools
 import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import msgspec
@@ -12,6 +15,7 @@ import torch
 
 from kvstage.errors import TransportError
 from kvstage.transport.data import RegionDescriptor, TransportConfig, create_transport
+from kvstage.transport.data.local import ProcessWatch
 from kvstage.transport.data.loopback import ReaderPeer, digest, measure_raw_bulk, scattered_slices, wait_for
 
 
@@ -100,3 +104,36 @@ def test_scattered_slices_cover_both_regions_exactly_once_without_adjacent_neigh
         assert starts == list(range(0, 1 << 20, 4096))
     for a, b in itertools.pairwise(slices):
         assert b[0] != a[0] + 4096 and b[1] != a[1] + 4096
+
+
+def test_a_watched_owner_reads_dead_once_it_exits_even_before_it_is_reaped() -> None:
+    """The pidfd watch that replaced a /proc read per write: alive while the process runs, dead from its exit on
+    (a zombie its parent has not waited for included), and its descriptor goes with the last region of the pid."""
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    watch = ProcessWatch()
+    try:
+        watch.watch(child.pid)
+        watch.watch(child.pid)
+        assert watch.alive(child.pid)
+        child.kill()
+        deadline = time.monotonic() + 10
+        while watch.alive(child.pid) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not watch.alive(child.pid)
+        stat = Path(f"/proc/{child.pid}/stat").read_text()
+        assert stat[stat.rfind(")") + 2] == "Z"  # not reaped yet: a zombie, and already dead to the watch
+        fds = len(os.listdir("/proc/self/fd"))
+        watch.release(child.pid)
+        assert len(os.listdir("/proc/self/fd")) == fds  # one region of the pid is still imported
+        watch.release(child.pid)
+        assert len(os.listdir("/proc/self/fd")) == fds - 1
+    finally:
+        child.kill()
+        child.wait()
+        watch.close()
+
+
+def test_a_pid_that_never_ran_reads_dead() -> None:
+    with open("/proc/sys/kernel/pid_max") as f:
+        unused = int(f.read()) + 1  # above the largest pid the kernel hands out
+    assert not ProcessWatch().alive(unused)

@@ -64,7 +64,7 @@ from kvstage.transport.data.base import (
     TransportConfig,
     WriteBound,
 )
-from kvstage.transport.data.local import pid_alive
+from kvstage.transport.data.local import ProcessWatch
 
 if TYPE_CHECKING:
     from kvstage.transport.data.bounded_copy import DeviceClock
@@ -280,6 +280,7 @@ class CudaIpcTransport(DataTransport):
     backend = "cuda_ipc"
     device_memory = True
     orders_on_device = True
+    completes_on_device = True
 
     def __init__(self, config: TransportConfig) -> None:
         if not torch.cuda.is_available():
@@ -293,6 +294,7 @@ class CudaIpcTransport(DataTransport):
         self._cuda = _cuda()
         self._owned: dict[int, _Owned] = {}
         self._targets: dict[int, _Target] = {}
+        self._owners = ProcessWatch()  # is each target's owner alive (asked before every write)
         self._streams: dict[int, torch.cuda.Stream] = {}
         self._clocks: dict[int, DeviceClock] = {}
         self._counters: dict[int, _Counters] = {}
@@ -361,6 +363,7 @@ class CudaIpcTransport(DataTransport):
                     f"{tensor.numel()}"
                 )
         self._targets[remote.key] = _Target(tensor[: descriptor.nbytes], ref.pid)
+        self._owners.watch(ref.pid)
 
     def _open(self, ref: _IpcRef) -> torch.Tensor:
         """A tensor over the peer's whole allocation (its real size, as CUDA mapped it)."""
@@ -373,7 +376,9 @@ class CudaIpcTransport(DataTransport):
         return memory.tensor()
 
     def _forget(self, remote: RemoteRegion) -> None:
-        self._targets.pop(remote.key, None)
+        target = self._targets.pop(remote.key, None)
+        if target is not None:
+            self._owners.release(target.pid)
 
     # ---- writes --------------------------------------------------------------------------------------------
     def _order_after(self, event: torch.cuda.Event) -> None:
@@ -386,7 +391,7 @@ class CudaIpcTransport(DataTransport):
         alone (logged, and completed with the reason)."""
         after, self._after = self._after, None
         target = self._targets[dst.key]
-        if not pid_alive(target.pid):
+        if not self._owners.alive(target.pid):
             reason = f"peer dead: owner process {target.pid} of region {dst.region_id} of {dst.owner!r} has exited"
             self._fail(Completion(transfer_id, False, reason, len(slices), peer_gone=True))
             return ""
@@ -488,6 +493,7 @@ class CudaIpcTransport(DataTransport):
         for write in writes:  # shutdown only: copies still queued end before their memory can go
             write.event.synchronize()
         self._targets.clear()
+        self._owners.close()
         with _TABLES:
             for key in [key for key in _EXPORTED if key[0] == self.name]:
                 del _EXPORTED[key]
