@@ -13,7 +13,9 @@
 # step_time, the vLLM connector's host time per engine step, benchmarks/connector_step_time.py; tests3, every `gpu`
 # test three times in a row (logs tests_run1..3); handoff_p2d1, handoff_p4d2, handoff_p4d2_c2048, the handoff scenario side by side with
 # the runtime of a baseline tree whose src lies in .base/ (`git archive REF src | tar -x -C .base`, its commit in
-# .base/COMMIT; carried like .whl/), 5 invocations each; HANDOFF_RUNS overrides the count).
+# .base/COMMIT; carried like .whl/), 5 invocations each; HANDOFF_RUNS overrides the count); handoff_p2d1_mps and
+# handoff_p4d2_mps, the same with every rank process a client of one MPS server started for the step and stopped
+# after it (the processes then share the GPU without time-slicing between their contexts, closer to a GPU per rank).
 set -u -o pipefail
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -48,6 +50,18 @@ GPU_TESTS="tests/transport/test_cuda_ipc.py tests/transport/test_cuda_ipc_late_c
     tests/dataplane/test_dataplane_roundtrip.py tests/runtime/test_agents.py"
 HANDOFF="python3 benchmarks/handoff_ab.py --baseline-src .base/src --runs ${HANDOFF_RUNS:-5}"
 HANDOFF_ARGS="--backend cuda_ipc --device cuda --model llama3-8b --tokens 4096 --page-size 16"
+mps() {  # mps STEP-NAME SECONDS COMMAND...: run one step under an MPS server of its own
+    export CUDA_MPS_PIPE_DIRECTORY=/tmp/kvstage-mps/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/kvstage-mps/log
+    mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+    if nvidia-cuda-mps-control -d; then
+        step "$@"
+        echo quit | nvidia-cuda-mps-control
+        sleep 2
+    else
+        echo "rc=1 $1: nvidia-cuda-mps-control did not start"
+    fi
+    unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+}
 STEPS=("$@")
 [ ${#STEPS[@]} -eq 0 ] && STEPS=(tests gs_device gs_call bench)
 for STEP in "${STEPS[@]}"; do
@@ -56,6 +70,8 @@ for STEP in "${STEPS[@]}"; do
     tests3) for i in 1 2 3; do step "tests_run$i" 290 python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts="" \
         --timeout 120 $GPU_TESTS; done ;;
     handoff_p2d1) step handoff_p2d1 540 $HANDOFF -- $HANDOFF_ARGS --prefill-tp 2 --decode-tp 1 ;;
+    handoff_p2d1_mps) mps handoff_p2d1_mps 540 $HANDOFF -- $HANDOFF_ARGS --prefill-tp 2 --decode-tp 1 ;;
+    handoff_p4d2_mps) mps handoff_p4d2_mps 540 $HANDOFF -- $HANDOFF_ARGS --prefill-tp 4 --decode-tp 2 ;;
     handoff_p4d2) step handoff_p4d2 540 $HANDOFF -- $HANDOFF_ARGS --prefill-tp 4 --decode-tp 2 ;;
     handoff_p4d2_c2048) step handoff_p4d2_c2048 540 $HANDOFF -- $HANDOFF_ARGS --prefill-tp 4 --decode-tp 2 \
         --chunk-tokens 2048 ;;
