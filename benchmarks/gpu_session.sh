@@ -15,7 +15,9 @@
 # the runtime of a baseline tree whose src lies in .base/ (`git archive REF src | tar -x -C .base`, its commit in
 # .base/COMMIT; carried like .whl/), 5 invocations each; HANDOFF_RUNS overrides the count); handoff_p2d1_mps and
 # handoff_p4d2_mps, the same with every rank process a client of one MPS server started for the step and stopped
-# after it (the processes then share the GPU without time-slicing between their contexts, closer to a GPU per rank).
+# after it (the processes then share the GPU without time-slicing between their contexts, closer to a GPU per rank);
+# profile_p2d1, one P2->D1 handoff invocation under py-spy (its wheel in .whl/), samples in $OUT/reactor_samples.txt,
+# summarized by benchmarks/reactor_profile.py.
 set -u -o pipefail
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -72,6 +74,9 @@ for STEP in "${STEPS[@]}"; do
     handoff_p2d1) step handoff_p2d1 540 $HANDOFF -- $HANDOFF_ARGS --prefill-tp 2 --decode-tp 1 ;;
     handoff_p2d1_mps) mps handoff_p2d1_mps 540 $HANDOFF -- $HANDOFF_ARGS --prefill-tp 2 --decode-tp 1 ;;
     handoff_p4d2_mps) mps handoff_p4d2_mps 540 $HANDOFF -- $HANDOFF_ARGS --prefill-tp 4 --decode-tp 2 ;;
+    profile_p2d1) step profile_p2d1 150 bash -c "/tmp/site/bin/py-spy record --subprocesses --nonblocking -r 2000 -f raw \
+        -o $OUT/reactor_samples.txt -- python3 -m kvstage bench --handoff $HANDOFF_ARGS --prefill-tp 2 --decode-tp 1 \
+        --json && python3 benchmarks/reactor_profile.py $OUT/reactor_samples.txt" ;;
     handoff_p4d2) step handoff_p4d2 540 $HANDOFF -- $HANDOFF_ARGS --prefill-tp 4 --decode-tp 2 ;;
     handoff_p4d2_c2048) step handoff_p4d2_c2048 540 $HANDOFF -- $HANDOFF_ARGS --prefill-tp 4 --decode-tp 2 \
         --chunk-tokens 2048 ;;
