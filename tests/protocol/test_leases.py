@@ -72,7 +72,7 @@ def test_a_planted_unsafe_timing_can_be_built_only_unchecked_and_reports_its_pro
 # ---- the wire -----------------------------------------------------------------------------------------------------
 def test_a_frame_of_protocol_version_1_without_lease_clocks_is_refused_by_its_version() -> None:
     old_frame = msgspec.msgpack.encode([1, "p0", 1, 0, 1, None, ["hb"]])
-    with pytest.raises(ProtocolError, match="protocol version 1, this endpoint speaks 3"):
+    with pytest.raises(ProtocolError, match=f"protocol version 1, this endpoint speaks {PROTOCOL_VERSION}"):
         Codec().decode(old_frame)
 
 

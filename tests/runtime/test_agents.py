@@ -82,10 +82,13 @@ def make_cluster():
         cluster.close()
 
 
-def _run_room(cluster: Cluster, room: int, num_tokens: int, prefix: int = 0, hold_prefill_pages: bool = True) -> dict:
+def _run_room(
+    cluster: Cluster, room: int, num_tokens: int, prefix: int = 0, hold_prefill_pages: bool = True, aux: bytes = b""
+) -> dict:
     """Fill prefill pools with random KV, hand the room off, return the pages used on each side.
 
-    `hold_prefill_pages=False` frees each prefill rank's pages before `kv_ready`, so its gathers fail."""
+    `hold_prefill_pages=False` frees each prefill rank's pages before `kv_ready`, so its gathers fail; `aux` is the
+    room's aux row, given by every prefill rank with its (one, completing) `kv_ready`."""
     kv = torch.randint(0, 256, (2, LAYOUT.num_layers, num_tokens, LAYOUT.num_kv_heads, LAYOUT.head_bytes)).to(
         torch.uint8
     )
@@ -105,7 +108,7 @@ def _run_room(cluster: Cluster, room: int, num_tokens: int, prefix: int = 0, hol
             agent.pool.allocator.free(pages)
         agent.attach_room(room, num_tokens, cluster.decode_tp, timeout_s=20)
         agent.compute_scheduled(room, num_tokens)
-        agent.kv_ready(room, num_tokens, tuple(pages))
+        agent.kv_ready(room, num_tokens, tuple(pages), aux=aux)
     return sides
 
 
@@ -137,6 +140,24 @@ def test_rooms_land_bit_exact_and_leave_the_ring_empty(make_cluster, prefill_tp,
         assert agent.wait_quiescent(5)
         assert agent.metrics.value("kvstage_transfer_bytes_total") > 0
         assert agent.metrics.value("kvstage_transfer_throughput_bytes_per_second") > 0
+
+
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 1), (1, 2), (2, 2)])
+def test_an_aux_row_given_with_the_last_kv_ready_arrives_in_every_decode_ranks_outcome(
+    make_cluster, prefill_tp, decode_tp
+):
+    cluster = make_cluster(prefill_tp, decode_tp)
+    rows = {1: b"first token 42 of room 1" * 100, 2: b"", 3: bytes(range(256))}
+    sides = {room: _run_room(cluster, room, 37, aux=row) for room, row in rows.items()}
+    for agent in cluster.decode:
+        outcomes = wait_outcomes(agent, len(rows))
+        assert {room: (o.ok, o.aux) for room, o in outcomes.items()} == {
+            room: (True, row) for room, row in rows.items()
+        }
+    for agent in cluster.prefill:
+        assert all(o.ok and o.aux == b"" for o in wait_outcomes(agent, len(rows)).values())
+    for side in sides.values():
+        _assert_landed(cluster, side, 0)
 
 
 @pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 1), (1, 2)])

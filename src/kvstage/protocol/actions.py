@@ -19,8 +19,8 @@ transfer or scatter that fails is answered with ok=False, never dropped).
 | FencePeer     | both    | `peer`'s incarnation (session, epoch) is dead here: drop its frames, release     |
 |               |         | what the runtime holds for it. Its posted writes may still land: decode keeps   |
 |               |         | their space quarantined until R13 (writer leases) says they cannot              |
-| RoomSucceeded | both    | decode: the room's pages hold its KV, generate. prefill: the pages are no longer |
-|               |         | read, the engine may free them                                                   |
+| RoomSucceeded | both    | decode: the room's pages hold its KV (and `aux` the engine's aux row), generate. |
+|               |         | prefill: the pages are no longer read, the engine may free them                  |
 | RoomFailed    | both    | the room failed for `reason` (reasons.py). decode: pages come back by FreePages; |
 |               |         | prefill: no write of the room reads its pages any more, the engine may free them |
 
@@ -139,7 +139,11 @@ class FencePeer:
 
 @dataclass(frozen=True, slots=True)
 class RoomSucceeded:
+    """decode: `aux` is the room's aux row as its last chunk's writers sent it (empty: none was given);
+    prefill: always empty."""
+
     room: int
+    aux: bytes = b""
 
 
 @dataclass(frozen=True, slots=True)

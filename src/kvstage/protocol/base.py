@@ -20,7 +20,9 @@ Owns, for both DecodeEndpoint and PrefillEndpoint:
 - fence records released by rule, not by count: a fenced incarnation's record stays until no room it held can
   still be written (`FenceRecord.release_at`: its rooms' latest deadline, stretched by clock drift, plus
   `quarantine_s`), so a writer cut off or paused however long comes back fenced; at `Limits.max_fences` records
-  still needed, new peers are refused rather than a record forgotten.
+  still needed, new peers are refused rather than a record forgotten;
+- at construction, `ConfigError` where `Limits.max_aux_bytes` leaves the last chunk's ChunkReady larger than the
+  codec's `max_frame_bytes` (aux.py).
 
 Subclasses implement the room state machines through the hooks marked "subclass". Pure: no I/O, clock or
 randomness; `now` always comes from the caller. Called by decode.py and prefill.py.
@@ -37,6 +39,7 @@ from typing import Any, ClassVar
 from kvstage.errors import ProtocolError
 from kvstage.protocol import reasons
 from kvstage.protocol.actions import Action, FencePeer, Send, WriteDirect, WriteRegion
+from kvstage.protocol.aux import check_aux_fits
 from kvstage.protocol.codec import Codec
 from kvstage.protocol.config import Limits, Timing
 from kvstage.protocol.events import (
@@ -122,6 +125,7 @@ class EndpointCore(ABC):
         self.timing = timing
         self.limits = limits
         self.codec = codec if codec is not None else Codec()
+        check_aux_fits(limits.max_aux_bytes, self.codec.max_frame_bytes)
         self.stats = EndpointStats()
         self._peers: dict[str, Peer] = {}
         self._fenced: dict[str, FenceRecord] = {}  # peer id -> its fence, until no room of it can be written

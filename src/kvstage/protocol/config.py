@@ -17,7 +17,7 @@ from typing import Final, Literal, Protocol
 
 from kvstage.errors import ConfigError
 from kvstage.layout import KVLayout, heads_of_rank, validate_staging_config
-from kvstage.protocol.messages import MAX_PEER_ID_LEN, MAX_TP
+from kvstage.protocol.messages import MAX_AUX_BYTES, MAX_PEER_ID_LEN, MAX_TP
 
 #: `Timing.lease_s` and `Timing.max_write_s` left at 0 become this share of `dead_after_s` each.
 LEASE_SHARE: Final = 0.45
@@ -174,14 +174,18 @@ class Limits:
     max_closed_rooms: int = 65536  # remembered recently closed rooms (answers "room closed" instead of "unknown")
     max_pending_pages: int = 2**22  # prefill: page ids of all Metadata waiting for their room's attach (decoded,
     # about 40 bytes each: 160 MiB); beyond: Abort("overloaded")
+    max_aux_bytes: int = 256 * 2**10  # a room's aux row (KVReady.aux, ChunkReady.aux), at most MAX_AUX_BYTES; decode
+    # holds one per open room
 
     def __post_init__(self) -> None:
         names = ("max_peers", "max_fences", "max_rooms_per_peer", "max_chunks_ahead", "max_closed_rooms",
-                 "max_pending_pages")  # fmt: skip
+                 "max_pending_pages", "max_aux_bytes")  # fmt: skip
         for name in names:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"Limits.{name} must be a positive integer, got {value!r}")
+        if self.max_aux_bytes > MAX_AUX_BYTES:
+            raise ConfigError(f"Limits.max_aux_bytes={self.max_aux_bytes} exceeds the wire's bound {MAX_AUX_BYTES}")
 
 
 def _check_identity(peer_id: str, tp_size: int, rank: int, layout: KVLayout) -> None:

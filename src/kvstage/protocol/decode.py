@@ -11,7 +11,9 @@ room is forgotten, and remembered in a bounded closed-room record, after its las
 
 Inbound checks (R10, B1): a message for an unknown room allocates nothing and is answered (GrantRefused
 "unknown room"/"room closed", ChunkAck, AbortAck); the sender must be a writer of the room; chunk indices
-must be < the room's chunk count; ChunkReady epochs must match the grant (R7, else dropped and counted).
+must be < the room's chunk count; ChunkReady epochs must match the grant (R7, else dropped and counted); an aux
+row on a ChunkReady that is not of the room's last chunk, over `Limits.max_aux_bytes`, or unlike the one another
+writer sent fails the room "protocol violation" (aux.py); the last chunk's aux row is reported in RoomSucceeded.
 
 Invariants kept: a chunk's ring region is freed exactly once, after its scatter completed or after the room
 was fenced and no write of a granted writer can land any more (R6, R13: that writer's own Abort or AbortAck
@@ -29,6 +31,7 @@ from kvstage.errors import ConfigError, InvalidRequest, StagingOversized
 from kvstage.layout import ChunkGrid, StagingPlan, pages_for, replica_turn
 from kvstage.protocol import reasons
 from kvstage.protocol.actions import FenceScatter, FreePages, RoomFailed, RoomSucceeded, Scatter
+from kvstage.protocol.aux import chunk_ready_aux_problem
 from kvstage.protocol.base import EndpointCore, Peer
 from kvstage.protocol.codec import Codec
 from kvstage.protocol.config import DecodeConfig
@@ -92,6 +95,7 @@ class _Room:
     pages_returned: bool = False
     regions_freed: bool = False
     prompt: bytes = b""  # digest of the prompt's tokens, sent in Metadata (empty: unchecked)
+    aux: bytes = b""  # the aux row the last chunk's writers sent (aux.py), reported with the room's success
 
     @property
     def all_writers(self) -> int:
@@ -359,6 +363,11 @@ class DecodeEndpoint(EndpointCore):
         if chunk is None or (not chunk.done and body.epoch != expected):
             self.stats.stale_dropped += 1  # R7: never granted, or another grant's epoch
             return
+        if (problem := chunk_ready_aux_problem(body, r.num_chunks, r.aux, self.limits.max_aux_bytes)) is not None:
+            self.stats.reject(problem)
+            self._fail(r, reasons.PROTOCOL_VIOLATION)
+            return
+        r.aux = r.aux or body.aux
         self._send(peer.peer_id, ChunkAck(room=r.room, chunk=body.chunk))
         if chunk.arrived & bit:
             self.stats.duplicates += 1
@@ -385,7 +394,7 @@ class DecodeEndpoint(EndpointCore):
         if r.done_chunks == r.num_chunks:
             DECODE_ROOM.move(r, _T.SUCCEED, r.room)
             self.stats.rooms_succeeded += 1
-            self._out.append(RoomSucceeded(r.room))
+            self._out.append(RoomSucceeded(r.room, r.aux))
             self._forget(r, None)
 
     def _bystander_answered(self, peer: Peer, room: int) -> bool:

@@ -19,7 +19,8 @@ list of actions (actions.py). `now` is always supplied by the caller; endpoints 
 | Tick             | both    | runtime/sim: time passed; call when now >= endpoint.next_timer()             |
 
 Engine events are checked when handled: an engine call that is wrong in itself (a room id registered twice,
-a page list that does not cover the tokens, an unknown room) raises `InvalidRequest` before any state changes;
+a page list that does not cover the tokens, an aux row on a KVReady that does not complete its room or over
+`Limits.max_aux_bytes`, an unknown room) raises `InvalidRequest` before any state changes;
 an engine call for a room that already ended (e.g. KVReady racing a RoomFailed) is ignored. Network and
 completion events never raise: bad input is counted in `endpoint.stats` and dropped or answered.
 
@@ -92,11 +93,17 @@ class ComputeScheduled:
 class KVReady:
     """Prefill engine: KV of tokens [0, end_tokens) of `room` is computed and lives in `pages` (page i holds
     tokens [i*page_size, (i+1)*page_size)). `pages` covers at least ceil(end_tokens / page_size) pages; the
-    endpoint only reads them, and the engine keeps them until RoomSucceeded/RoomFailed of the room."""
+    endpoint only reads them, and the engine keeps them until RoomSucceeded/RoomFailed of the room.
+
+    `aux`: an opaque row the engine hands to decode with the room (sglang: first output token, logprobs, room id),
+    at most `Limits.max_aux_bytes`. Only the KVReady that completes the room (end_tokens == its num_tokens) may
+    carry one; the first such KVReady fixes it. It rides the ChunkReady of the room's last chunk to every decode
+    rank this rank writes to, and decode reports it in RoomSucceeded."""
 
     room: int
     end_tokens: int
     pages: tuple[int, ...]
+    aux: bytes = b""
 
 
 @dataclass(frozen=True, slots=True)

@@ -43,8 +43,9 @@ import msgspec
 from msgspec import Meta
 
 #: Bumped on any incompatible change to a body or the envelope; a frame of another version is rejected.
-#: Version 2 added the lease clocks `Envelope.stamp` and `Envelope.echo`; version 3 `Metadata.prompt`.
-PROTOCOL_VERSION: Final = 3
+#: Version 2 added the lease clocks `Envelope.stamp` and `Envelope.echo`; version 3 `Metadata.prompt`; version 4
+#: `ChunkReady.aux`.
+PROTOCOL_VERSION: Final = 4
 
 # ---- hard bounds, checked at decode time (before an endpoint sees the message) -------------------------------
 MAX_ID: Final = 2**63 - 1
@@ -58,6 +59,7 @@ MAX_PAGE_ID: Final = 2**40
 MAX_BYTES: Final = 2**62
 MAX_CLOCK: Final = 1e12  # seconds of a monotonic clock (about 31,000 years)
 MAX_DIGEST_LEN: Final = 32
+MAX_AUX_BYTES: Final = 2**20  # hard bound of `ChunkReady.aux`; `Limits.max_aux_bytes` (at most this) is the working one
 
 RoomId = Annotated[int, Meta(ge=0, le=MAX_ID)]
 Count = Annotated[int, Meta(ge=0, le=MAX_ID)]
@@ -73,6 +75,7 @@ PeerId = Annotated[str, Meta(min_length=1, max_length=MAX_PEER_ID_LEN)]
 Seconds = Annotated[float, Meta(ge=0.0, le=1e7)]
 ClockReading = Annotated[float, Meta(ge=0.0, le=MAX_CLOCK)]  # NaN and infinities are refused too
 Digest = Annotated[bytes, Meta(max_length=MAX_DIGEST_LEN)]
+AuxRow = Annotated[bytes, Meta(max_length=MAX_AUX_BYTES)]
 Path = Literal["staged", "direct"]
 
 STAGED: Final = "staged"
@@ -164,11 +167,16 @@ class GrantRefused(_Body, frozen=True, tag="grant_no"):
 
 
 class ChunkReady(_Body, frozen=True, tag="ready"):
-    """P -> D: my block of `chunk` has landed (the write completed); `epoch` echoes the grant's."""
+    """P -> D: my block of `chunk` has landed (the write completed); `epoch` echoes the grant's.
+
+    `aux`: the engine's opaque aux row of the room (e.g. sglang's first output token and logprobs), given with the
+    KVReady that completed the room; only on the room's last chunk (empty otherwise, and where the engine gave none).
+    Decode reports it with the room's success."""
 
     room: RoomId
     chunk: ChunkIndex
     epoch: Count
+    aux: AuxRow = b""
 
 
 class ChunkAck(_Body, frozen=True, tag="ready_ack"):

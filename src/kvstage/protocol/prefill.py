@@ -3,9 +3,9 @@
 Owns the prefill side of every room: which decode ranks this rank writes to (from the head plan), the
 metadata of each (a "link"), staging requests in chunk production order (R11), parking chunks until their
 ring region is free (R9), one bulk write per chunk and link (or page-to-page writes on the direct path, R12),
-ChunkReady notices retried until acknowledged (R4), and the abort protocol: an abort is acknowledged, and
-RoomFailed reported, only once no write of the room is in flight (R6). prefill_rooms.py has the records it keeps
-per room, link and chunk.
+ChunkReady notices retried until acknowledged (R4; the last chunk's carries the room's aux row from its completing
+KVReady, aux.py), and the abort protocol: an abort is acknowledged, and RoomFailed reported, only once no write of
+the room is in flight (R6). prefill_rooms.py has the records it keeps per room, link and chunk.
 
 Room states and the chunk states of each link: `states.PREFILL_ROOM` and `states.PREFILL_CHUNK` are the tables
 (docs/protocol.md shows them). Every guard on a state asks the table's `can`, and every change goes through its
@@ -21,7 +21,7 @@ and sim/.
 from __future__ import annotations
 
 from kvstage.errors import ConfigError, InvalidRequest
-from kvstage.layout import WriterBlock, page_slice, pages_for
+from kvstage.layout import WriterBlock, page_slice
 from kvstage.protocol import reasons
 from kvstage.protocol.actions import RoomFailed, RoomSucceeded, WriteDirect, WriteRegion
 from kvstage.protocol.base import EndpointCore, Peer
@@ -32,7 +32,6 @@ from kvstage.protocol.messages import (
     Abort,
     AbortAck,
     ChunkAck,
-    ChunkReady,
     Envelope,
     Grant,
     GrantRefused,
@@ -41,7 +40,14 @@ from kvstage.protocol.messages import (
     StagingRequest,
 )
 from kvstage.protocol.metadata import attached_metadata_problem, metadata_problem
-from kvstage.protocol.prefill_rooms import Link, WriterChunk, WriterRoom, write_failure, writer_targets
+from kvstage.protocol.prefill_rooms import (
+    Link,
+    WriterChunk,
+    WriterRoom,
+    kv_ready_problem,
+    write_failure,
+    writer_targets,
+)
 from kvstage.protocol.states import PREFILL_CHUNK, PREFILL_ROOM, ChunkTrigger, PrefillRoomState, PrefillTrigger
 from kvstage.ring import Allocation, Watermark, region_ready
 
@@ -151,16 +157,9 @@ class PrefillEndpoint(EndpointCore):
         r = self._engine_room(event.room)
         if r is None:
             return
-        end = event.end_tokens
-        if not 0 < end <= r.num_tokens or len(event.pages) < pages_for(end, self.config.layout.page_size):
-            raise InvalidRequest(
-                f"room {r.room}: KVReady(end_tokens={end}) needs 0 < end <= {r.num_tokens} and "
-                f">= {pages_for(end, self.config.layout.page_size)} pages, got {len(event.pages)}"
-            )
-        if end >= r.ready:
-            r.ready = end
-            r.pages = event.pages
-        r.scheduled = max(r.scheduled, end)
+        if (problem := kv_ready_problem(r, event, self.config.layout.page_size, self.limits.max_aux_bytes)) is not None:
+            raise InvalidRequest(problem)
+        r.take_ready(event)
         if (claim_by := r.await_claim(self._now)) is not None:
             self._deadlines.push(claim_by, r.room)
         self._pump(r)
@@ -460,7 +459,7 @@ class PrefillEndpoint(EndpointCore):
         assert chunk.region is not None
         PREFILL_CHUNK.move(chunk, _C.WRITTEN, (r.room, index))
         link.unwritten -= 1
-        self._request("ready", peer_id, ChunkReady(room=r.room, chunk=index, epoch=chunk.region.epoch), index)
+        self._request("ready", peer_id, link.ready_notice(r, index, chunk.region.epoch), index)
         self._pump_link(r, link)
 
     def _dead_after_s(self) -> float:

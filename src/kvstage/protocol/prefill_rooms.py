@@ -2,6 +2,8 @@
 and each link's `WriterChunk`s.
 
 Mutable records, changed only by prefill.py; their `state` fields change only through states.py's tables.
+`kv_ready_problem` checks an engine's KVReady against its room (with the aux row's rules of aux.py);
+`Link.ready_notice` builds a written chunk's ChunkReady (the last one with the room's aux row).
 `Link.from_metadata` derives a link from a validated `Metadata` (metadata.py): the decode rank's chunk grid, the
 head run this rank writes to it and, on the staged path, the staging plans of a full and of the last chunk.
 
@@ -12,10 +14,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvstage.layout import Chunk, ChunkGrid, HeadTransfer, StagingPlan, replica_turn
+from kvstage.layout import Chunk, ChunkGrid, HeadTransfer, StagingPlan, pages_for, replica_turn
 from kvstage.protocol import reasons
+from kvstage.protocol.aux import kv_ready_aux_problem
 from kvstage.protocol.config import PrefillConfig
-from kvstage.protocol.messages import DIRECT, Metadata
+from kvstage.protocol.events import KVReady
+from kvstage.protocol.messages import DIRECT, ChunkReady, Metadata
 from kvstage.protocol.plans import staging_plan, transfers_of_writer
 from kvstage.protocol.states import PREFILL_CHUNK, ChunkState, ChunkTrigger, PrefillRoomState
 from kvstage.ring import Allocation
@@ -71,6 +75,12 @@ class Link:
         assert plan is not None
         return plan
 
+    def ready_notice(self, r: WriterRoom, index: int, epoch: int) -> ChunkReady:
+        """The ChunkReady of written chunk `index`: the room's last chunk carries its aux row (fixed once its KV was
+        computed whole, which the last chunk's write waited for), so each retry of it carries the same bytes."""
+        aux = r.aux if index == self.num_chunks - 1 else b""
+        return ChunkReady(room=r.room, chunk=index, epoch=epoch, aux=aux)
+
 
 @dataclass(slots=True, eq=False)
 class WriterRoom:
@@ -92,8 +102,17 @@ class WriterRoom:
     lost: dict[str, None] = field(default_factory=dict)  # decode peers gone: no Abort to them
     awaiting: dict[str, None] = field(default_factory=dict)  # decode peers our Abort waits on
     prompt: bytes = b""  # digest of the prompt the engine computes (empty: unchecked)
+    aux: bytes = b""  # the engine's aux row, from the KVReady that completed the room (aux.py)
     claim_s: float = 0.0  # how long a computed room waits for its first decode rank (0: until its deadline)
     claim_by: float | None = None  # when it fails "unclaimed" if no decode rank took it (set once computed)
+
+    def take_ready(self, event: KVReady) -> None:
+        """Record an accepted KVReady: the newest pages, and the aux row of the one that first completes the room."""
+        if event.end_tokens == self.num_tokens and self.ready < self.num_tokens:
+            self.aux = event.aux
+        if event.end_tokens >= self.ready:
+            self.ready, self.pages = event.end_tokens, event.pages
+        self.scheduled = max(self.scheduled, event.end_tokens)
 
     def await_claim(self, now: float) -> float | None:
         """The room's KV may have just been computed whole: when it fails "unclaimed" if no decode rank has taken it
@@ -111,6 +130,18 @@ class WriterRoom:
         if self.claim_by == when and not self.links:
             return reasons.UNCLAIMED
         return None
+
+
+def kv_ready_problem(r: WriterRoom, event: KVReady, page_size: int, max_aux_bytes: int) -> str | None:
+    """Why `event` is an invalid engine call for the active room `r` (None: it is fine): tokens out of range, too
+    few pages, or an aux row it may not carry (aux.py)."""
+    end, need = event.end_tokens, pages_for(event.end_tokens, page_size)
+    if not 0 < end <= r.num_tokens or len(event.pages) < need:
+        return (
+            f"room {r.room}: KVReady(end_tokens={end}) needs 0 < end <= {r.num_tokens} and >= {need} pages, "
+            f"got {len(event.pages)}"
+        )
+    return kv_ready_aux_problem(event, r.num_tokens, r.ready, r.aux, max_aux_bytes)
 
 
 def writer_targets(config: PrefillConfig, room: int, decode_tp: int) -> frozenset[int]:

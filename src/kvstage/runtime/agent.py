@@ -15,7 +15,7 @@ that wake the reactor when a write completes. The engine-facing API is small and
     decode engine:  agent.expect_room(room, prefill_peers, num_tokens, prefix_tokens, pages, timeout_s)
                     agent.abort(room);  agent.poll() -> [RoomOutcome]
     prefill engine: agent.attach_room(room, num_tokens, decode_tp, timeout_s)
-                    agent.compute_scheduled(room, end_tokens);  agent.kv_ready(room, end_tokens, pages)
+                    agent.compute_scheduled(room, end_tokens);  agent.kv_ready(room, end_tokens, pages, aux=b"")
                     agent.abort(room);  agent.poll() -> [RoomOutcome]
 
 Each engine call only appends an event to the agent's mailbox (and wakes the reactor if it sleeps). `poll` pops

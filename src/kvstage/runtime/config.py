@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 from kvstage.errors import ConfigError
 from kvstage.layout import Attention, KVLayout
 from kvstage.protocol import Limits, Timing
+from kvstage.protocol.aux import check_aux_fits
 from kvstage.protocol.codec import DEFAULT_MAX_FRAME_BYTES
 from kvstage.protocol.config import lease_gaps
 from kvstage.runtime.outbox import ParkLimits
@@ -70,6 +71,7 @@ class AgentConfig:
     def __post_init__(self) -> None:
         if not self.bootstrap_timeout_s > 0:
             raise ConfigError(f"bootstrap_timeout_s must be positive, got {self.bootstrap_timeout_s!r}")
+        check_aux_fits(self.limits.max_aux_bytes, self.channel.max_frame_bytes)
         bound = self.transport.max_write_s
         if bound is not None and bound > self.timing.max_write_s:
             raise ConfigError(
@@ -114,12 +116,14 @@ class AgentConfig:
 
 @dataclass(frozen=True, slots=True)
 class RoomOutcome:
-    """How a room ended. On a failed decode room, `pages` are the engine's pages, now free for it to reuse."""
+    """How a room ended. On a failed decode room, `pages` are the engine's pages, now free for it to reuse. On a
+    decode room that succeeded, `aux` is the aux row prefill's engine gave with its last `kv_ready` (empty: none)."""
 
     room: int
     ok: bool
     reason: str = ""
     pages: tuple[int, ...] = ()
+    aux: bytes = b""
 
 
 @dataclass(frozen=True, slots=True)

@@ -229,7 +229,7 @@ class DecodeAgent(BaseAgent):
                 self._maybe_report_failure(action.room)
             case RoomSucceeded():
                 self._forget_room(action.room)
-                self._outcome(RoomOutcome(action.room, True))
+                self._outcome(RoomOutcome(action.room, True, aux=action.aux))
             case WriteRegion() | WriteDirect() | Send() | FencePeer():
                 raise TypeError(f"decode agent cannot execute {action!r}")
             case _:

@@ -164,15 +164,22 @@ class PrefillAgent(BaseAgent):
         self._mailbox.put(ComputeScheduled(room, end_tokens))
 
     def kv_ready(
-        self, room: int, end_tokens: int, pages: tuple[int, ...], ready: torch.cuda.Event | None = None
+        self,
+        room: int,
+        end_tokens: int,
+        pages: tuple[int, ...],
+        ready: torch.cuda.Event | None = None,
+        aux: bytes = b"",
     ) -> None:
         """KV of tokens [0, end_tokens) is computed in `pages` (on a GPU: once `ready`, an event on the engine's
         stream, is done; gathers wait for it on the device; None on a GPU: the KV is taken as computed by what the
-        engine has queued on its current stream so far); kvstage reads them until the room's outcome."""
+        engine has queued on its current stream so far); kvstage reads them until the room's outcome. `aux`: the
+        room's aux row, only with the call that completes the room (end_tokens == its tokens); it reaches every
+        decode rank with the room's last chunk and comes out in decode's `RoomOutcome.aux` (protocol/aux.py)."""
         if ready is None and self.pool.device.type == "cuda":
             ready = torch.cuda.current_stream(self.pool.device).record_event()
         self._claims.set_ready(room, ready)
-        self._mailbox.put(KVReady(room, end_tokens, tuple(pages)))
+        self._mailbox.put(KVReady(room, end_tokens, tuple(pages), bytes(aux)))
 
     # ---- hooks -------------------------------------------------------------------------------------------
 
