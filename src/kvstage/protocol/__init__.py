@@ -23,7 +23,8 @@ Primitives and who calls them (events.py / actions.py have the fields):
 | ExpectRoom(room, peers, ...)     | decode  | decode engine, before anything is sent for the room (R2)     |
 | AttachRoom(room, ...)            | prefill | prefill engine, when it admits the room                      |
 | ComputeScheduled(room, end)      | prefill | prefill engine, before a forward pass (staging asked, R11)   |
-| KVReady(room, end, pages)        | prefill | prefill engine, after a forward pass                         |
+| KVReady(room, end, pages, aux)   | prefill | prefill engine, after a forward pass (aux: only the one that |
+|                                  |         | completes the room; it rides the last chunk, aux.py)         |
 | AbortRoom(room)                  | both    | the local engine                                             |
 | Received / ReceivedFrame         | both    | runtime/sim, for each inbound message                        |
 | Completion(token, ok, reason)    | both    | runtime/sim, answering WriteRegion / WriteDirect / Scatter / |
@@ -35,7 +36,8 @@ Primitives and who calls them (events.py / actions.py have the fields):
 | -> Scatter / FenceScatter        | decode  | runtime: scatter kernel / wait for the room's scatters       |
 | -> FreePages(room, pages)        | decode  | the decode engine's KV pool (failure only)                   |
 | -> FencePeer(peer, session, ep)  | both    | runtime: drop that incarnation's late writes and frames      |
-| -> RoomSucceeded / RoomFailed    | both    | the local engine; RoomFailed.reason is one of reasons.py     |
+| -> RoomSucceeded / RoomFailed    | both    | the local engine; RoomFailed.reason is one of reasons.py;    |
+|                                  |         | decode's RoomSucceeded.aux is the room's aux row             |
 
 Rules kept by construction (issue 3): R1 release on every terminal path, scatter fenced first, idempotent;
 R2 register before announce, unknown room -> explicit GrantRefused; R3 failures scoped to one room, no
