@@ -20,6 +20,7 @@ Real, beyond what test_sglang_queues.py lists:
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -167,19 +168,21 @@ def local_state(rank: Any) -> int:
 
 
 def test_tp_ranks_commit_a_request_together_over_the_gloo_group(queues_of: Any) -> None:
-    """Decode rank 1's aux row is held back: rank 0's own poll says Success, but sglang's MIN over the TP group
-    keeps the request in rank 0's transfer queue too, until rank 1's row arrives; then both commit it in the same
-    turn, bit-exact. (Without the group, rank 0 would commit alone: a world of one per rank.)"""
+    """Decode rank 1's room outcome (its KV in, with the aux row) is held back: rank 0's own poll says Success, but
+    sglang's MIN over the TP group keeps the request in rank 0's transfer queue too, until rank 1 takes its outcome;
+    then both commit it in the same turn, bit-exact. (Without the group, rank 0 would commit alone: a world of one
+    per rank.)"""
     c = queues_of(1, 2, decode_groups=tp_groups(2))
-    held: list[tuple[Any, ...]] = []
-    backend = c.decode[1].kv_manager.backend
-    fetch = backend.fetch_aux
-    backend.fetch_aux = lambda *args: held.append(args)  # rank 1 asks for its aux row only when let
+    let_go: list[bool] = []
+    backend, agent1 = c.decode[1].kv_manager.backend, c.decode[1].agent
+    take = backend.take_outcome
+    backend.take_outcome = lambda room: take(room) if let_go else None  # rank 1 takes its outcome only when let
     d_reqs, truth = tp_handoff(c, 721)
-    run_queues_tp(c, lambda d: held and local_state(c.decode[0]) == 4)  # rank 0: KV and aux row in
+    # rank 0: KV and aux row written; rank 1: its room ended in its agent, the outcome not taken
+    run_queues_tp(c, lambda d: local_state(c.decode[0]) == 4 and agent1.snapshot().open_rooms == 0)
     done = run_queues_tp(c, lambda d: len(d["turns"]) >= 50)
     assert done["decode"] == [] and local_state(c.decode[0]) == 4 and local_state(c.decode[1]) == 3
-    fetch(*held[0])
+    let_go.append(True)
     done = run_queues_tp(c, lambda d: d["decode"])
     assert done["turns"][-1] == [[d_reqs[0]], [d_reqs[1]]], done["turns"][-1]  # both ranks, the same turn
     assert torch.equal(decode_kv(c, d_reqs, 40).view(torch.int16), truth.view(torch.int16))
@@ -187,18 +190,26 @@ def test_tp_ranks_commit_a_request_together_over_the_gloo_group(queues_of: Any) 
 
 
 def test_one_tp_rank_failing_fails_the_request_on_every_rank(queues_of: Any) -> None:
-    """Decode rank 1 fails the room (its aux row never comes: planted); rank 0's own part succeeds. sglang's MIN
-    over the group makes it Failed on both ranks in the same turn: both abort the request with a reason, both
-    give their pages back, and both rings are empty."""
+    """Decode rank 1 fails the room (planted: its room's outcome comes without the aux row); rank 0's own part
+    succeeds. sglang's MIN over the group makes it Failed on both ranks in the same turn: both abort the request
+    with a reason, both give their pages back, and both rings are empty."""
+    from kvstage.runtime import RoomOutcome
+
     c = queues_of(1, 2, decode_groups=tp_groups(2))
     backend = c.decode[1].kv_manager.backend
-    backend.aux_result = lambda room: "aux row not received: planted on decode rank 1"
+    take = backend.take_outcome
+
+    def without_aux(room: int) -> RoomOutcome | None:
+        outcome = take(room)
+        return None if outcome is None else replace(outcome, aux=b"")
+
+    backend.take_outcome = without_aux
     free = [r.allocator.available_size() for r in c.decode]
     d_reqs, _ = tp_handoff(c, 722)
     done = run_queues_tp(c, lambda d: all(not r.prealloc.queue and not r.transfer.queue for r in c.decode))
     assert done["decode"] == []
     assert "another TP rank" in abort_message(d_reqs[0]), abort_message(d_reqs[0])
-    assert "planted on decode rank 1" in abort_message(d_reqs[1])
+    assert "aux row not received" in abort_message(d_reqs[1]), abort_message(d_reqs[1])
     for r, req, n in zip(c.decode, d_reqs, free, strict=True):
         assert req.kv.req_pool_idx is None and r.allocator.available_size() == n
     ring_empty(c)

@@ -156,16 +156,19 @@ def test_malformed_room_fails_with_reason(cluster_of: Any, room: Any) -> None:
     assert c.prefill[0].mgr.backend.refused["malformed room"] == 1
 
 
-def test_planted_bug_aux_row_not_sent_is_caught(cluster_of: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    """With prefill's aux row never posted, decode must not report success: its KV landed, but sglang would read a
-    first token it never got. It fails with the reason instead, by the room's deadline."""
-    from kvstage.integrations.sglang.manager import RankBackend
+@pytest.mark.parametrize(("p_tp", "d_tp"), [(1, 1), (2, 1), (1, 2)])
+def test_planted_bug_aux_row_not_sent_is_caught(cluster_of: Any, monkeypatch: pytest.MonkeyPatch, p_tp: int,
+                                                d_tp: int) -> None:  # fmt: skip
+    """With prefill's last send giving no aux row, decode must not report success: its KV landed, but sglang would
+    read a first token it never got. Every decode rank fails the room with the reason instead, at once."""
+    from kvstage.integrations.sglang.rooms import SenderRoom
 
-    monkeypatch.setattr(RankBackend, "post_aux", lambda self, room, mailbox, index: None)
-    c = cluster_of(1, 1, timeout_s=2)
+    monkeypatch.setattr(SenderRoom, "aux_row", lambda self: b"")
+    c = cluster_of(p_tp, d_tp)
     _, recv, *_ = handoff(c, 82, 30, 8)
-    assert "aux row not received" in failed(c, recv)[0]
-    assert not c.decode[0].aux[2][3].any()  # the room id never landed: sglang's metadata gate holds the request
+    assert all("aux row not received" in why for why in failed(c, recv))
+    for r in c.decode:
+        assert not r.aux[2][3].any()  # the room id never landed: sglang's metadata gate holds the request
 
 
 def test_prefill_abort(cluster_of: Any) -> None:

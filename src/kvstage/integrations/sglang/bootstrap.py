@@ -2,20 +2,19 @@
 
 Owns `KVStageBootstrapServer` (sglang's `BaseKVBootstrapServer`: sglang builds it on the prefill instance with its
 `--host` and `--disaggregation-bootstrap-port`) and `MailboxClient`. Where the built-in backends' bootstrap server
-tells decode ranks how to reach prefill, this one holds two small things that kvstage's protocol does not carry:
+tells decode ranks how to reach prefill, this one answers the one question kvstage's protocol cannot: which
+instance of kvstage's directory a prefill bootstrap address is. It holds the prefill instance's name and TP size
+(posted by prefill's rank 0 at start); a decode rank asks for them once per bootstrap address, as sglang's decode
+asks for prefill's parallel info.
 
-- the prefill instance's name in kvstage's directory and its TP size (posted by prefill's rank 0 at start; a
-  decode rank asks for them once per bootstrap address, as sglang's decode asks for prefill's parallel info);
-- each request's aux row (first output token, logprobs, the room id: sglang's metadata buffers), posted by
-  prefill's rank 0 with the request's last chunk and read by every decode rank of the room.
+Nothing of a request passes here: the KV and each request's aux row (first output token, logprobs, room id) move
+through kvstage's agents and directory (`KVSTAGE_BOOTSTRAP`); the aux row rides the room's last chunk.
 
-The KV itself never passes here: it moves through kvstage's agents and directory (`KVSTAGE_BOOTSTRAP`).
-
-Invariants: one thread owns the socket; every request is decoded with msgspec under bounds (frame size, row size)
-and a bad one gets an error reply and is counted, never crashes the service; at most `MAX_ROWS` aux rows are held,
-each for `ROW_TTL_S` (the oldest go first); it binds beyond loopback only with `KVSTAGE_INSECURE=1` (its
-requests are not authenticated: docs/sglang.md). The client is blocking with a timeout, for background threads
-only (manager.py's worker), never sglang's scheduler thread.
+Invariants: one thread owns the socket; every request is decoded with msgspec under a frame bound and a bad one
+gets an error reply and is counted, never crashes the service; it holds one instance record, whatever it is
+asked; it binds beyond loopback only with `KVSTAGE_INSECURE=1` (its requests are not authenticated:
+docs/sglang.md). The client is blocking with a timeout, for background threads only (manager.py's worker), never
+sglang's scheduler thread.
 """
 
 from __future__ import annotations
@@ -23,8 +22,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import time
-from collections import Counter, OrderedDict
+from collections import Counter
 from typing import Final
 
 import msgspec
@@ -34,20 +32,15 @@ from kvstage.transport.auth import check_bind
 
 log = logging.getLogger(__name__)
 
-MAX_FRAME_BYTES: Final = 2**20
-MAX_ROW_BYTES: Final = 2**19
-MAX_ROWS: Final = 65536
-ROW_TTL_S: Final = 600.0
+MAX_FRAME_BYTES: Final = 2**16
 
 
 class Request(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """`op`: "put_info" (instance, tp_size), "get_info", "put_aux" (room, row) or "get_aux" (room)."""
+    """`op`: "put_info" (instance, tp_size) or "get_info"."""
 
     op: str
     instance: str = ""
     tp_size: int = 0
-    room: int = 0
-    row: bytes = b""
 
 
 class Reply(msgspec.Struct, frozen=True):
@@ -55,34 +48,22 @@ class Reply(msgspec.Struct, frozen=True):
     error: str = ""
     instance: str = ""
     tp_size: int = 0
-    row: bytes = b""
 
 
 class Mailbox:
-    """The service's state: the instance info and the aux rows, bounded. Used by the server thread only."""
+    """The service's state: the prefill instance's info. Used by the server thread only."""
 
-    def __init__(self, max_rows: int = MAX_ROWS, ttl_s: float = ROW_TTL_S) -> None:
+    def __init__(self) -> None:
         self.instance = ""
         self.tp_size = 0
-        self.rows: OrderedDict[int, tuple[float, bytes]] = OrderedDict()
-        self.max_rows, self.ttl_s = max_rows, ttl_s
 
-    def handle(self, req: Request, now: float) -> Reply:
-        while self.rows and (len(self.rows) > self.max_rows or next(iter(self.rows.values()))[0] < now - self.ttl_s):
-            self.rows.popitem(last=False)
+    def handle(self, req: Request) -> Reply:
         if req.op == "put_info" and req.instance and 0 < req.tp_size <= 4096 and len(req.instance) <= 256:
             self.instance, self.tp_size = req.instance, req.tp_size
             return Reply(True)
         if req.op == "get_info":
             return Reply(bool(self.instance), "" if self.instance else "no prefill rank posted yet",
                          self.instance, self.tp_size)  # fmt: skip
-        if req.op == "put_aux" and 0 < req.room and len(req.row) <= MAX_ROW_BYTES:
-            self.rows[req.room] = (now, req.row)
-            self.rows.move_to_end(req.room)
-            return Reply(True)
-        if req.op == "get_aux" and 0 < req.room:
-            held = self.rows.get(req.room)
-            return Reply(held is not None, "" if held else "no aux row", row=b"" if held is None else held[1])
         return Reply(False, f"bad request {req.op!r}")
 
 
@@ -114,7 +95,7 @@ class KVStageBootstrapServer:
                 self.rejected["frames"] += 1
                 continue
             try:
-                reply = self._mailbox.handle(decoder.decode(frames[2]), time.monotonic())
+                reply = self._mailbox.handle(decoder.decode(frames[2]))
             except msgspec.DecodeError as exc:
                 self.rejected["undecodable"] += 1
                 reply = Reply(False, f"undecodable request: {exc}")

@@ -88,7 +88,7 @@ class KVStageKVSender(BaseKVSender):  # type: ignore[misc]
                  req_has_disagg_prefill_dp_rank: bool = False) -> None:  # fmt: skip
         self.kv_mgr = mgr
         self.bootstrap_room = bootstrap_room
-        self.room = SenderRoom(mgr.backend, mgr.backend.place.mailbox, bootstrap_room)
+        self.room = SenderRoom(mgr.backend, bootstrap_room)
 
     def init(self, num_kv_indices: int, aux_index: int | None = None) -> None:
         self.room.init(int(num_kv_indices), aux_index)

@@ -12,7 +12,8 @@ outlive the agent, which sglang's pool does.
 
 Refused with `ConfigError` at start (never per request): hybrid state (mamba, SWA, DSA: `state_types`),
 speculative draft KV (`num_draft_entries`), pipeline parallelism, a dtype kvstage does not move, buffers whose
-lengths disagree. Pure apart from reading and writing the aux rows; called by manager.py.
+lengths disagree, an aux row larger than the protocol carries (`Limits.max_aux_bytes`). Pure apart from reading and
+writing the aux rows; called by manager.py.
 """
 
 from __future__ import annotations
@@ -121,15 +122,24 @@ class AuxRows:
     items: tuple[int, ...]
 
     @classmethod
-    def of(cls, args: Any) -> AuxRows:
-        return cls(tuple(args.aux_data_ptrs), tuple(args.aux_data_lens), tuple(args.aux_item_lens))
+    def of(cls, args: Any, max_row_bytes: int) -> AuxRows:
+        """sglang's aux buffers of `args`; `ConfigError` if a row is over `max_row_bytes` (the protocol's bound of the
+        aux row that rides the room's last chunk, `Limits.max_aux_bytes`)."""
+        rows = cls(tuple(args.aux_data_ptrs), tuple(args.aux_data_lens), tuple(args.aux_item_lens))
+        if rows.row_bytes > max_row_bytes:
+            raise ConfigError(f"sglang's aux row takes {rows.row_bytes} bytes; kvstage carries {max_row_bytes} at most")
+        return rows
 
     @property
     def row_bytes(self) -> int:
         return sum(self.items)
 
+    def holds(self, index: int) -> bool:
+        """Whether row `index` lies inside every buffer."""
+        return all(0 <= index and (index + 1) * item <= n for item, n in zip(self.items, self.lens, strict=True))
+
     def _check(self, index: int) -> None:
-        if not all(0 <= index and (index + 1) * item <= n for item, n in zip(self.items, self.lens, strict=True)):
+        if not self.holds(index):
             raise IndexError(f"aux index {index} is outside sglang's metadata buffers")
 
     def read(self, index: int) -> bytes:

@@ -8,14 +8,18 @@ or its decode prealloc queue, at scheduler start). It:
   `DecodeAgent` on it, registered in kvstage's directory (`KVSTAGE_BOOTSTRAP`) under this instance's name;
 - hands each room's outcome to the sender or receiver that asks for it (`take_outcome`: the agent's `poll`,
   drained into a table the asking object empties);
+- holds the rank's view of sglang's aux (metadata) rows (`aux`, kvargs.py): prefill reads a request's row into its
+  last `kv_ready`, and it reaches decode in the room's `RoomOutcome.aux` (kvstage's protocol carries it on the
+  room's last chunk), where decode writes it into its own row (rooms.py);
 - runs blocking mailbox requests (bootstrap.py) on one worker thread: prefill's rank 0 posts its instance info
-  at start and each request's aux row with its last chunk; decode ranks ask a prefill address for its instance
-  (`try_ensure_parallel_info`, as sglang's decode queue asks) and fetch each room's aux row once its KV is in.
+  at start; decode ranks ask a prefill address for its instance (`try_ensure_parallel_info`, as sglang's decode
+  queue asks).
 
 Invariants: engine-facing methods never block and never raise on a request's account (a bad request is logged,
 counted in `refused`, and failed with a reason by its sender or receiver); only the scheduler thread calls
-`take_outcome`, `fetch_aux`, `aux_row` and `post_aux`; the worker thread touches only `_results` and `_infos`,
-under `_lock`; every table is emptied as its rooms end, so it is bounded by the requests sglang holds.
+`take_outcome` and `forget`; the worker thread touches only `_infos`, under `_lock`; the outcome tables are
+emptied as their rooms end, so they are bounded by the requests sglang holds, and `_infos` by the prefill
+addresses decode is given.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from typing import Any, Literal
 from kvstage.integrations.sglang.bootstrap import MailboxClient, Request
 from kvstage.integrations.sglang.kvargs import AuxRows, RankKV, rank_kv
 from kvstage.integrations.sglang.settings import BackendSettings
+from kvstage.protocol import Limits
 from kvstage.protocol.messages import MAX_ID
 from kvstage.runtime import AgentConfig, DecodeAgent, PrefillAgent, RoomOutcome, peer_id
 from kvstage.transport.data.base import TransportConfig
@@ -39,8 +44,6 @@ from kvstage.transport.data.base import TransportConfig
 log = logging.getLogger(__name__)
 
 Role = Literal["prefill", "decode"]
-#: How long the worker keeps asking for a room's aux row, and how often.
-AUX_POLL_S = 0.005
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,13 +89,12 @@ class RankBackend:
         self.place, self.settings = place, settings
         self.rank_kv: RankKV = rank_kv(kv_args, is_mla, place.device)
         self.is_mla = is_mla
-        self.aux = AuxRows.of(kv_args)
+        self.aux = AuxRows.of(kv_args, Limits().max_aux_bytes)  # the agent's limits are the protocol's defaults
         self.page_size = self.rank_kv.layout.page_size
         self.refused: Counter[str] = Counter()
         self.prefill_info_table: dict[str, PrefillInfo] = {}
         self._outcomes: dict[int, RoomOutcome] = {}
         self._dropped: set[int] = set()  # rooms cleared before their outcome: it is discarded when it comes
-        self._results: dict[int, bytes | str] = {}  # room -> its aux row (decode) / "" posted or an error (prefill)
         self._infos: dict[str, PrefillInfo | None] = {}  # address -> its info once answered (None: asked)
         self._lock = threading.Lock()
         self._jobs: queue.Queue[Callable[[], None] | None] = queue.Queue()
@@ -171,40 +173,6 @@ class RankBackend:
         its outcome, which is then discarded when it comes (every room the agent holds ends with one)."""
         if self._outcomes.pop(room, None) is None and awaiting:
             self._dropped.add(room)
-        with self._lock:
-            self._results.pop(room, None)
-
-    def post_aux(self, room: int, mailbox: str, index: int) -> None:
-        """Prefill: send aux row `index` (written by sglang before the last chunk's send) as `room`'s."""
-        row = self.aux.read(index)
-
-        def job() -> None:
-            reply = MailboxClient(mailbox).ask(Request("put_aux", room=room, row=row))
-            with self._lock:
-                self._results[room] = "" if reply.ok else reply.error
-
-        self._jobs.put(job)
-
-    def fetch_aux(self, room: int, mailbox: str, deadline: float) -> None:
-        """Decode: fetch `room`'s aux row from prefill's mailbox, asking again until `deadline` (the worker goes
-        round the other jobs in between, so one late row holds up no other room)."""
-        client = MailboxClient(mailbox)
-
-        def job() -> None:
-            reply = client.ask(Request("get_aux", room=room))
-            if not reply.ok and time.monotonic() < deadline:
-                time.sleep(AUX_POLL_S if self._jobs.empty() else 0)
-                self._jobs.put(job)
-                return
-            with self._lock:
-                self._results[room] = reply.row if reply.ok else f"aux row not received: {reply.error}"
-
-        self._jobs.put(job)
-
-    def aux_result(self, room: int) -> bytes | str | None:
-        """The aux work's result for `room`: a row (decode), "" (prefill: posted), an error string, or None yet."""
-        with self._lock:
-            return self._results.get(room)
 
     def close(self) -> None:
         self._jobs.put(None)

@@ -10,20 +10,23 @@ Prefill (sglang's bootstrap queue, then its inflight queue):
     __init__   the room is checked (`check_room`); a malformed one fails here, logged and counted, with its reason
     poll       WaitingForInput at once: kvstage needs no handshake (decode registers the room through its own
                protocol), so sglang may prefill before decode has allocated; then Transferring, Success once the
-               room succeeded and (rank 0) the aux row is posted, or Failed
+               room succeeded, or Failed
     init       `attach_room(room, pages * page, decode_tp=0)`: decode's first Metadata tells its TP size
     send       one call per chunk of chunked prefill: its pages are appended; `compute_scheduled` and `kv_ready`
                up to their end, so kvstage writes every chunk of decode's grid the sent pages complete; decode's
                prefix (which kvstage's protocol tells prefill) is never written. The last send (all pages given)
-               posts the aux row sglang wrote just before it (first token, logprobs, room id)
+               gives its `kv_ready` the aux row sglang wrote just before it (first token, logprobs, room id): it
+               rides the room's last chunk to every decode rank this rank writes to (every prefill TP rank has it)
     abort      `abort(room)`; Failed at once with "aborted by prefill"
 Decode (sglang's prealloc queue, then its transfer queue):
     init       the prefill address's instance must be known (`try_ensure_parallel_info`); else Failed
     send_metadata  `expect_room(room, prefill ranks, tokens, prefix, pages)`; decode's prefix pages are not given
                by sglang (only the pages past its prefix hit) and kvstage never touches them: they are named by
                page 0, sglang's reserved padding page
-    poll       Bootstrapping, WaitingForInput, Transferring; Success once the KV is in and the aux row is written
-               into decode's metadata row; Failed with kvstage's reason (or the aux row's) on `failure_reason`
+    poll       Bootstrapping, WaitingForInput, Transferring; Success once the KV is in and the aux row that came with
+               kvstage's outcome (`RoomOutcome.aux`) is written into decode's metadata row; Failed with kvstage's
+               reason, or "aux row not received" (the room succeeded without one) / "aux row unusable", on
+               `failure_reason`
     abort      `abort(room)`; Failed at once with "aborted by decode"
 
 Invariants: no method raises on a request's account; every failure has a reason; a room's outcome is taken once.
@@ -32,7 +35,6 @@ Invariants: no method raises on a request's account; every failure has a reason;
 from __future__ import annotations
 
 import logging
-import time
 from typing import Final
 
 import torch
@@ -51,12 +53,13 @@ PADDING_PAGE: Final = 0
 
 
 class _Room:
-    def __init__(self, backend: RankBackend, mailbox: str, room: object) -> None:
-        self.backend, self.mailbox = backend, mailbox
+    def __init__(self, backend: RankBackend, room: object) -> None:
+        self.backend = backend
         self.room = room if isinstance(room, int) and not isinstance(room, bool) else 0
         self.state = WAITING
         self.failure_reason = ""
         self.kv_done = False
+        self.aux = b""  # decode: the room's aux row, from kvstage's outcome
         self.registered = False  # the agent holds the room (attached or expected): its outcome will come
         self.outcome_seen = False
         if why := check_room(room):
@@ -79,7 +82,7 @@ class _Room:
             return
         self.outcome_seen = True
         if outcome.ok:
-            self.kv_done = True
+            self.kv_done, self.aux = True, outcome.aux
         else:
             self.fail(outcome.reason)
 
@@ -99,17 +102,16 @@ class _Room:
 class SenderRoom(_Room):
     """Prefill's side of one request (see the module docstring)."""
 
-    def __init__(self, backend: RankBackend, mailbox: str, room: object) -> None:
-        super().__init__(backend, mailbox, room)
+    def __init__(self, backend: RankBackend, room: object) -> None:
+        super().__init__(backend, room)
         self.num_pages = 0
         self.aux_index = -1
         self.pages: list[int] = []
-        self.aux_posted = backend.place.rank != 0  # only rank 0 posts the aux row
 
     def init(self, num_pages: int, aux_index: int | None) -> None:
         if self.state == FAILED:
             return
-        if num_pages <= 0 or aux_index is None or aux_index < 0:
+        if num_pages <= 0 or aux_index is None or not self.backend.aux.holds(aux_index):
             self.fail(f"invalid request: {num_pages} pages to send, aux index {aux_index}", refused=True)
             return
         self.num_pages, self.aux_index = num_pages, aux_index
@@ -129,22 +131,24 @@ class SenderRoom(_Room):
         end = len(self.pages) * self.backend.page_size
         agent = self.backend.agent
         agent.compute_scheduled(self.room, end)  # type: ignore[union-attr]
-        agent.kv_ready(self.room, end, tuple(self.pages))  # type: ignore[union-attr]
+        agent.kv_ready(self.room, end, tuple(self.pages), aux=self.aux_row())  # type: ignore[union-attr]
         self.state = TRANSFERRING
-        if len(self.pages) == self.num_pages and not self.aux_posted:
-            self.backend.post_aux(self.room, self.mailbox, self.aux_index)
+
+    def aux_row(self) -> bytes:
+        """The aux row to give with this send: sglang's metadata row on the last send (all pages given), else none.
+
+        sglang 0.5.23 fills the row on every prefill TP rank: the scheduler's `_send_kv_chunk(last_chunk=True)` calls
+        `MetadataBuffers.set_buf(req)` with no rank guard, from the batch result every TP rank holds (the same
+        sampled first token). So every rank gives it and every decode rank gets it from any of its writers (a rank
+        that writes to no decode rank in the room sends nothing, and every decode rank has a writer)."""
+        return self.backend.aux.read(self.aux_index) if len(self.pages) == self.num_pages else b""
 
     def poll(self) -> int:
         if self.state in (FAILED, SUCCESS) or self.num_pages == 0:
             return self.state
         if not self.kv_done:
             self._take()
-        if self.kv_done and not self.aux_posted:
-            result = self.backend.aux_result(self.room)
-            if isinstance(result, str) and result:
-                self.fail(f"aux row not posted: {result}")
-            self.aux_posted = result == ""
-        if self.kv_done and self.aux_posted and self.state != FAILED:
+        if self.kv_done and self.state != FAILED:
             self.state = SUCCESS
         return self.state
 
@@ -156,10 +160,11 @@ class SenderRoom(_Room):
 
 
 class ReceiverRoom(_Room):
-    """Decode's side of one request (see the module docstring)."""
+    """Decode's side of one request (see the module docstring); `mailbox` is its prefill's bootstrap address."""
 
     def __init__(self, backend: RankBackend, mailbox: str, room: object) -> None:
-        super().__init__(backend, mailbox, room)
+        super().__init__(backend, room)
+        self.mailbox = mailbox
         if self.state != FAILED:
             self.state = BOOTSTRAPPING
         self.aux_index = -1
@@ -179,7 +184,8 @@ class ReceiverRoom(_Room):
                 self.fail("invalid request: send_metadata before init", refused=True)
             return
         size = self.backend.page_size
-        if not pages or aux_index is None or aux_index < 0 or prefix_tokens < 0 or prefix_tokens % size:
+        bad = not pages or prefix_tokens < 0 or prefix_tokens % size
+        if bad or aux_index is None or not self.backend.aux.holds(aux_index):
             why = f"{len(pages)} pages, aux index {aux_index}, prefix {prefix_tokens} (page {size})"
             self.fail(f"invalid request: {why}", refused=True)
             return
@@ -201,22 +207,17 @@ class ReceiverRoom(_Room):
             if self.kv_done and self.aborting:  # the KV landed before the abort did: give it up all the same
                 self.fail(ABORTED_BY_DECODE)
             elif self.kv_done:
-                deadline = time.monotonic() + self.backend.settings.room_timeout_s
-                self.backend.fetch_aux(self.room, self.mailbox, deadline)
-        if self.kv_done and self.state == TRANSFERRING:
-            self._write_aux()
+                self._write_aux()
         return self.state
 
     def _write_aux(self) -> None:
-        result = self.backend.aux_result(self.room)
-        if result is None:
-            return
-        if isinstance(result, str):
-            self.fail(result)
+        """The KV is in: write the aux row that came with it into decode's metadata row, then report Success."""
+        if not self.aux:
+            self.fail("aux row not received: the room's last chunk brought none from prefill")
             return
         try:
-            self.backend.aux.write(self.aux_index, result)
-        except (IndexError, ValueError) as exc:
+            self.backend.aux.write(self.aux_index, self.aux)
+        except ValueError as exc:
             self.fail(f"aux row unusable: {exc}")
             return
         self.state = SUCCESS
