@@ -10,7 +10,7 @@ import dataclasses
 
 import numpy as np
 
-from kvstage.protocol import AbortRoom, ExpectRoom, Scatter, WriteDirect, WriteRegion
+from kvstage.protocol import AbortRoom, ExpectRoom, KVReady, Scatter, WriteDirect, WriteRegion
 from kvstage.protocol.events import Event
 from kvstage.ring import Allocation
 from kvstage.sim import FAULT_LEVELS, SimConfig, Violation, World
@@ -98,6 +98,18 @@ class TransferFlipsABit(World):
 def test_checker_reports_d1_when_succeeded_kv_differs_by_one_bit() -> None:
     violation = _first_violation(TransferFlipsABit, SimConfig(faults="none"))
     assert violation.invariant == "D1"
+
+
+class PrefillGivesNoAuxRow(World):
+    """The prefill engine's completing KVReady carries no aux row (or, on the wire, the aux row is lost)."""
+
+    def feed(self, node: Node, event: Event) -> None:
+        super().feed(node, dataclasses.replace(event, aux=b"") if isinstance(event, KVReady) else event)
+
+
+def test_checker_reports_d1_when_a_room_succeeds_without_prefills_aux_row() -> None:
+    violation = _first_violation(PrefillGivesNoAuxRow, SimConfig(faults="none", payloads=False))
+    assert violation.invariant == "D1" and "aux row b''" in violation.detail
 
 
 def test_d1_needs_payloads_so_the_corruption_goes_unseen_without_them() -> None:

@@ -29,7 +29,7 @@ from kvstage.protocol import (
 )
 from kvstage.sim.clock import EventKind, NodeClock
 from kvstage.sim.core import WorldCore
-from kvstage.sim.memory import KVMemory, PagePool, StagingMemory, TrackedRing, expected_kv
+from kvstage.sim.memory import KVMemory, PagePool, StagingMemory, TrackedRing, expected_aux, expected_kv
 from kvstage.sim.records import (
     BATCH,
     FORWARD_PER_TOKEN_S,
@@ -238,10 +238,12 @@ class Engines(WorldCore):
                 continue
             self._compute_kv(instance, state, end)
             state.computed = end
+            aux = b""
             if end >= state.plan.num_tokens:
                 instance.active.remove(room)
+                aux = expected_aux(state.plan.key)
             for node in self._prefill_nodes(instance.index):
-                self.feed(node, KVReady(room, end, state.prefill_pages))
+                self.feed(node, KVReady(room, end, state.prefill_pages, aux))
         self._forward(instance)
 
     def _compute_kv(self, instance: PrefillInstance, state: RoomState, end: int) -> None:
@@ -257,12 +259,12 @@ class Engines(WorldCore):
 
     # ---- outcomes ----------------------------------------------------------------------------------------------------
 
-    def _room_succeeded(self, node: Node, room: int) -> None:
+    def _room_succeeded(self, node: Node, room: int, aux: bytes) -> None:
         state = self.rooms.get(room)
         if state is None:
             return
         if node.side == "decode":
-            self.checker.check_room_kv(node, state)
+            self.checker.check_room_kv(node, state, aux)
             state.decode_outcome[node.rank] = RoomState.OK
             self._decode_progress(state)
         else:

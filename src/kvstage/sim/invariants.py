@@ -13,8 +13,9 @@ run, and the runner prints the seed, the invariant and the trace tail.
 - S2: a scatter reads only a region that is still live and owned by its (room, chunk), and writes only pages its
   room still holds; a write reads only prefill pages its room holds; pages are never freed twice or by someone
   who does not hold them.
-- D1: when a decode rank reports success, its KV pages for the room equal, bit for bit, what prefill computed
-  for its heads (only with tensor payloads on).
+- D1: when a decode rank reports success, the aux row it reports is the one prefill's engine gave with the room's
+  completing KVReady, and its KV pages for the room equal, bit for bit, what prefill computed for its heads (the
+  KV only with tensor payloads on).
 - L1: every room ends (Succeeded or Failed with a known reason) on every rank that saw it, by its deadline
   (a rank whose process is stalled, or a prefill rank draining a write, is excused until that ends: both are
   bounded, by the pause and by max_write_s).
@@ -49,7 +50,7 @@ from kvstage.protocol.actions import Scatter
 from kvstage.protocol.messages import ChunkAck, ChunkReady, Envelope, Grant, Metadata
 from kvstage.protocol.prefill import PrefillRoomState
 from kvstage.protocol.reasons import FAILURE_REASONS
-from kvstage.sim.memory import Owner, expected_kv
+from kvstage.sim.memory import Owner, expected_aux, expected_kv
 from kvstage.sim.records import InflightWrite, Node, PrefillInstance, RoomState, Violation
 from kvstage.sim.scenario import SimConfig
 from kvstage.sim.trace import Trace
@@ -244,9 +245,13 @@ class Checker:
         if foreign:
             self.fail("S2", f"{node.peer_id}: scatter of room {action.room} writes pages {foreign} it released")
 
-    def check_room_kv(self, node: Node, state: RoomState) -> None:
-        """D1: the decode rank's pages hold exactly what prefill computed for its heads."""
+    def check_room_kv(self, node: Node, state: RoomState, aux: bytes) -> None:
+        """D1: the decode rank reports the aux row prefill gave, and its pages hold exactly what prefill computed
+        for its heads."""
         world = self.world
+        if aux != expected_aux(state.plan.key):
+            self.fail("D1", f"{node.peer_id}: room {state.plan.room[1:]} succeeded with aux row {aux[:40]!r}")
+            return
         if not world.payloads or node.kv is None:
             return
         plan, layout = state.plan, world.layout

@@ -97,6 +97,12 @@ def expected_kv(room_key: int, start: int, end: int, heads: range, num_layers: i
     return words
 
 
+def expected_aux(room_key: int) -> bytes:
+    """The aux row the prefill engine gives with the KVReady that completes a room, which every decode rank must
+    report with the room's success (D1)."""
+    return b"aux row of room " + room_key.to_bytes(8, "little")
+
+
 class KVMemory:
     """One rank's KV pool bytes, indexed by token slot = page * page_size + offset in page."""
 

@@ -324,7 +324,7 @@ class World(DataPlane, Engines):
             case FencePeer():
                 pass  # frames: the endpoint drops them; writes: a one-sided transport cannot refuse them
             case RoomSucceeded():
-                self._room_succeeded(node, action.room)
+                self._room_succeeded(node, action.room, action.aux)
             case RoomFailed():
                 self._room_failed(node, action.room, action.reason)
             case _:
