@@ -139,6 +139,17 @@ def test_an_aux_bound_that_leaves_no_room_in_a_control_frame_is_refused_at_confi
         Limits(max_aux_bytes=MAX_AUX_BYTES + 1)
 
 
+def test_an_agent_whose_control_frames_cannot_carry_the_aux_row_is_refused_at_configuration() -> None:
+    from kvstage.runtime import AgentConfig
+    from kvstage.transport.control import ChannelConfig
+
+    layout = make_pump().endpoints["d0"].config.layout
+    fields = {"instance": "D", "rank": 0, "tp_size": 1, "layout": layout, "bootstrap": "tcp://127.0.0.1:1"}
+    with pytest.raises(ConfigError, match="does not fit a control frame"):
+        AgentConfig(**fields, channel=ChannelConfig(max_frame_bytes=128 * 2**10))  # type: ignore[arg-type]
+    AgentConfig(**fields, channel=ChannelConfig(max_frame_bytes=1 << 20))  # type: ignore[arg-type]
+
+
 def forged_last_notice(pump: Pump, room: int) -> tuple[list[ChunkReady], Pump]:
     """Run `room` (2 -> 1) with every ChunkReady of p1 lost, so d0 holds each chunk granted and waiting for p1;
     returns p1's ChunkReady notices (to be forged and injected by the test)."""
