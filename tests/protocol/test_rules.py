@@ -83,6 +83,30 @@ def test_aborted_room_releases_ring_space_and_pages_only_once_writer_confirms() 
     assert all_quiescent(pump)
 
 
+@pytest.mark.parametrize(
+    ("reason", "ends_as"),
+    [
+        (reasons.INVALID_REQUEST, reasons.INVALID_REQUEST),
+        ("", reasons.ABORTED_BY_PREFILL),
+        ("made up", reasons.ABORTED_BY_PREFILL),
+    ],
+)
+def test_a_prefill_abort_fails_the_room_for_its_reason_when_it_is_a_known_one(reason: str, ends_as: str) -> None:
+    """The runtime fails a room "invalid request" once it refused an engine call of it; any other text, and none,
+    is the engine's abort."""
+    pump = make_pump()
+    pump.hold = writes_of("p0")
+    expect(pump, 1, 16)
+    attach(pump, 1, 16)
+    pump.run()
+    pump.call("p0", AbortRoom(1, reason))
+    pump.release_held()
+    pump.run()
+    assert pump.outcome("p0", 1) == ends_as
+    assert pump.outcome("d0", 1) == reasons.ABORTED_BY_PREFILL
+    assert all_quiescent(pump)
+
+
 def test_release_fences_in_flight_scatter_before_freeing_ring_and_pages() -> None:
     pump = make_pump()
     pump.hold = lambda src, a: isinstance(a, Scatter | FenceScatter)

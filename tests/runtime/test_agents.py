@@ -160,6 +160,29 @@ def test_an_aux_row_given_with_the_last_kv_ready_arrives_in_every_decode_ranks_o
         _assert_landed(cluster, side, 0)
 
 
+def test_a_refused_kv_ready_fails_its_room_at_once_on_both_sides_not_at_its_deadline(make_cluster):
+    """An engine call the endpoint refuses (here an aux row on a `kv_ready` that does not complete the room) ends
+    the room "invalid request" on prefill and "aborted by prefill" on decode within seconds, its pages back, not
+    when its 20 s deadline comes."""
+    cluster = make_cluster(1, 1)
+    decode, prefill = cluster.decode[0], cluster.prefill[0]
+    npages = -(-37 // LAYOUT.page_size)
+    decode_pages = decode.pool.allocator.allocate(npages, 1)
+    decode.expect_room(1, cluster.prefill_peers, 37, 0, tuple(decode_pages), timeout_s=20)
+    pages = prefill.pool.allocator.allocate(npages, 1)
+    prefill.attach_room(1, 37, 1, timeout_s=20)
+    prefill.compute_scheduled(1, 37)
+    started = time.monotonic()
+    prefill.kv_ready(1, 16, tuple(pages), aux=b"not yet: the room has 37 tokens")
+    failed = wait_outcomes(prefill, 1, timeout=5)[1]
+    assert (failed.ok, failed.reason) == (False, "invalid request")
+    ended = wait_outcomes(decode, 1, timeout=5)[1]
+    assert (ended.ok, ended.reason) == (False, "aborted by prefill")
+    assert time.monotonic() - started < 5
+    assert prefill.metrics.value("kvstage_room_failures_total", reason="invalid request") == 1
+    assert decode.wait_quiescent(5) and decode.snapshot().ring_live_bytes == 0
+
+
 @pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 1), (1, 2)])
 def test_a_room_is_looked_up_once_on_each_side_on_the_reactor(make_cluster, prefill_tp, decode_tp):
     cluster = make_cluster(prefill_tp, decode_tp)

@@ -108,9 +108,11 @@ class KVReady:
 
 @dataclass(frozen=True, slots=True)
 class AbortRoom:
-    """Local engine: give up on `room` (decode: reason "aborted by decode"; prefill: "aborted by prefill")."""
+    """Local engine: give up on `room` (decode: reason "aborted by decode"; prefill: "aborted by prefill"), or, on
+    prefill, fail it for `reason` (the runtime's "invalid request" once it refused an engine call of the room)."""
 
     room: int
+    reason: str = ""
 
 
 @dataclass(frozen=True, slots=True)

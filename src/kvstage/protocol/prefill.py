@@ -165,15 +165,16 @@ class PrefillEndpoint(EndpointCore):
         self._pump(r)
 
     def _on_abort_room(self, event: AbortRoom) -> None:
+        reason = event.reason if event.reason in reasons.FAILURE_REASONS else reasons.ABORTED_BY_PREFILL
         if event.room not in self._rooms and event.room not in self._closed:
             # the engine gave the request up before computing any of it: its decode ranks learn it now (those
             # whose Metadata is here) or when their Metadata comes, instead of at the room's deadline
-            self._closed.remember(event.room, reasons.ABORTED_BY_PREFILL)
-            self._abort_pending(event.room, reasons.ABORTED_BY_PREFILL)
+            self._closed.remember(event.room, reason)
+            self._abort_pending(event.room, reason)
             return
         r = self._engine_room(event.room)
         if r is not None:
-            self._fail(r, reasons.ABORTED_BY_PREFILL)
+            self._fail(r, reason)
 
     def _abort_pending(self, room: int, reason: str) -> None:
         """Abort `room` towards every decode rank whose Metadata waits for the engine to attach it."""

@@ -65,11 +65,13 @@ from kvstage.protocol import (
     AttachRoom,
     Codec,
     Completion,
+    ComputeScheduled,
     DecodeEndpoint,
     ExpectRoom,
     FencePeer,
     FenceScatter,
     FreePages,
+    KVReady,
     PrefillEndpoint,
     RoomFailed,
     RoomSucceeded,
@@ -474,11 +476,16 @@ class BaseAgent(PeerLinks):
             self._guarded(self._execute_common, action)
 
     def _reject_engine_call(self, event: Any, reason: str) -> None:
+        """A refused engine call ends its room now rather than at its deadline: a refused attach or expect with
+        its own outcome (the room never opened), a refused `kv_ready` or `compute_scheduled` of an open room by
+        failing that room "invalid request" (the details are logged, never a metric label)."""
         room = getattr(event, "room", None)
         if isinstance(event, ExpectRoom | AttachRoom) and room is not None:
             pages = event.pages if isinstance(event, ExpectRoom) else ()
             outcome = RoomOutcome(room, False, f"{INVALID_REQUEST}: {reason}", pages)
             self._outcome(outcome, counted_as=INVALID_REQUEST)  # one metric label, whatever the details
+        elif isinstance(event, KVReady | ComputeScheduled) and self.endpoint.room_state(event.room) is not None:
+            self._feed(AbortRoom(event.room, INVALID_REQUEST))
 
     def _execute_common(self, action: Action) -> None:
         match action:
