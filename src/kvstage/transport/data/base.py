@@ -311,16 +311,13 @@ class DataTransport(ABC):
     #: Whether the backend moves GPU memory: `allocate(device="cuda:N")` and `register` of GPU tensors.
     device_memory: ClassVar[bool] = False
     orders_on_device: ClassVar[bool] = False  #: `after` is waited for on the device (cuda_ipc), not the host
-    #: Whether writes end on the device (cuda_ipc: a CUDA event), so that only `poll` finds their completions and
-    #: `on_completion` is not called for them; the agent then polls at the device rate.
-    completes_on_device: ClassVar[bool] = False
+    completes_on_device: ClassVar[bool] = False  #: writes end in CUDA events only `poll` finds (no `on_completion`)
     #: Whether the backend connects to a peer when its region is imported and never again by itself, so that a
     #: connection that failed while the peer lives (a write `peer_gone` to a peer that still answers) is made again
     #: only by forgetting every region of that peer and importing them anew (nixl: a failed UCX endpoint).
     reconnects_on_import: ClassVar[bool] = False
-    #: Whether `_import` may block for long (NIXL connects to the peer inside it: seen taking 11 s) and therefore
-    #: runs outside the transport's lock, the backend guarding its own tables: writes, polls and forgets go on
-    #: meanwhile on other threads.
+    #: Whether `_import` may block for long (NIXL connects to the peer inside it: seen taking 11 s) and so runs outside
+    #: the transport's lock, the backend guarding its own tables: writes, polls and forgets go on meanwhile.
     imports_unlocked: ClassVar[bool] = False
 
     def __init__(self, config: TransportConfig) -> None:
