@@ -103,15 +103,12 @@ from kvstage.transport.directory import Directory, open_directory
 
 log = logging.getLogger(__name__)
 
-#: While device work or writes are in flight the reactor polls them: first after BUSY_POLL_MIN_S, doubling with each
-#: wait that passes with nothing done (a completion starts over from the minimum), up to DEVICE_POLL_MAX_S while
-#: work that only a poll finds is in flight (gathers and scatters on the GPU, cuda_ipc's writes: CUDA events), else
-#: up to BUSY_POLL_MAX_S (writes of transports that complete on threads of their own, mooncake and nixl, which also
-#: wake the reactor, so the poll is only a backstop). A chunk's device work takes tens of microseconds, so the
-#: first polls come that soon, and a poll of device work comes at most DEVICE_POLL_MAX_S after it ended. With
-#: nothing in flight it sleeps up to IDLE_POLL_S when no post, frame or timer comes.
+#: While device work or writes are in flight the reactor polls them: first after BUSY_POLL_MIN_S, doubling up to
+#: BUSY_POLL_MAX_S with each wait that passes with nothing done (a completion starts over from the minimum). A
+#: chunk's device work takes tens of microseconds, so the first polls come that soon; transports that complete on
+#: threads of their own (mooncake, nixl) also wake the reactor, and the poll is then only a backstop. With nothing
+#: in flight it sleeps up to IDLE_POLL_S when no post, frame or timer comes.
 BUSY_POLL_MIN_S = 0.00002
-DEVICE_POLL_MAX_S = 0.0002
 BUSY_POLL_MAX_S = 0.002
 IDLE_POLL_S = 0.05
 #: How often the reactor releases the state of peers that left and fails sends parked for too long.
@@ -346,10 +343,9 @@ class BaseAgent(PeerLinks):
         self._poll_delay = BUSY_POLL_MIN_S
         self._moved = True
 
-    def _poll_cap(self) -> float | None:
-        """The longest the reactor may go between polls of work in flight (DEVICE_POLL_MAX_S or BUSY_POLL_MAX_S);
-        None while nothing is in flight."""
-        return None
+    def _busy(self) -> bool:
+        """True while transfers are in flight: the loop then polls the transport often."""
+        return False
 
     # ---- the reactor -------------------------------------------------------------------------------------
 
@@ -404,9 +400,8 @@ class BaseAgent(PeerLinks):
             self._next_sweep = now + PEER_SWEEP_S
             self._guarded(self._release_departed, now)
         active = bool(batch or received or self._moved)
-        cap = self._poll_cap()
-        if cap is not None and not active:  # a wait went by with nothing done: back off
-            self._poll_delay = min(2 * self._poll_delay, cap)
+        if self._busy() and not active:  # a wait went by with nothing done: back off
+            self._poll_delay = min(2 * self._poll_delay, BUSY_POLL_MAX_S)
         self._moved = False
         self._stale = self._stale or active or (due is not None and now >= due)
         if self._stale and now >= self._next_refresh:
@@ -417,8 +412,7 @@ class BaseAgent(PeerLinks):
     def _timeout(self) -> float:
         """How long the next wait may sleep: until the next timer, poll of work in flight, sweep or refresh."""
         now = time.monotonic()
-        cap = self._poll_cap()
-        wake = min(now + (IDLE_POLL_S if cap is None else min(self._poll_delay, cap)), self._next_sweep)
+        wake = min(now + (self._poll_delay if self._busy() else IDLE_POLL_S), self._next_sweep)
         if self._stale:  # what the snapshot shows changed: refresh it on time, else sleep on
             wake = min(wake, self._next_refresh)
         due = self.endpoint.next_timer()

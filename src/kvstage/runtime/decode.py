@@ -57,7 +57,7 @@ from kvstage.protocol import (
 )
 from kvstage.protocol.reasons import ABORTED_BY_DECODE
 from kvstage.ring import StagingRing
-from kvstage.runtime.agent import DEVICE_POLL_MAX_S, BaseAgent, published_blocks
+from kvstage.runtime.agent import BaseAgent, published_blocks
 from kvstage.runtime.canary import CanaryRing
 from kvstage.runtime.config import AgentConfig, AgentSnapshot, RoomOutcome
 from kvstage.runtime.reactor import CopyDone
@@ -298,9 +298,9 @@ class DecodeAgent(BaseAgent):
             for fence in self._fences.pop(room, []):
                 self._complete(fence, True)
 
-    def _poll_cap(self) -> float | None:
-        """Scatters landing: the loop polls their fences (CUDA events) at the device rate."""
-        return DEVICE_POLL_MAX_S if self._landing else None
+    def _busy(self) -> bool:
+        """Scatters landing: the loop polls their fences at the busy rate."""
+        return bool(self._landing)
 
     def _after_turn(self) -> None:
         if self._landing:

@@ -60,7 +60,7 @@ from kvstage.protocol import (
 from kvstage.protocol.prefill import PrefillRoomState
 from kvstage.protocol.reasons import LEASE_EXPIRED
 from kvstage.ring import Allocation, StagingRing, region_ready
-from kvstage.runtime.agent import BUSY_POLL_MAX_S, DEVICE_POLL_MAX_S, BaseAgent
+from kvstage.runtime.agent import BaseAgent
 from kvstage.runtime.config import AgentConfig, AgentSnapshot, RoomOutcome
 from kvstage.runtime.imports import IMPORT_RETRY_S, PeerImports
 from kvstage.runtime.reactor import CopyDone
@@ -569,10 +569,8 @@ class PrefillAgent(BaseAgent):
     def _gauges(self) -> None:
         self.metrics.set_parked(self.endpoint.parked_count())
 
-    def _poll_cap(self) -> float | None:
-        if self._gathering or (self._in_flight and self.transport.completes_on_device):
-            return DEVICE_POLL_MAX_S
-        return BUSY_POLL_MAX_S if self._in_flight or self._queued else None
+    def _busy(self) -> bool:
+        return bool(self._in_flight or self._queued or self._gathering)
 
     def _make_snapshot(self, stats: dict[str, int]) -> AgentSnapshot:
         base = super()._make_snapshot(stats)

@@ -311,7 +311,6 @@ class DataTransport(ABC):
     #: Whether the backend moves GPU memory: `allocate(device="cuda:N")` and `register` of GPU tensors.
     device_memory: ClassVar[bool] = False
     orders_on_device: ClassVar[bool] = False  #: `after` is waited for on the device (cuda_ipc), not the host
-    completes_on_device: ClassVar[bool] = False  #: writes end in CUDA events only `poll` finds (no `on_completion`)
     #: Whether the backend connects to a peer when its region is imported and never again by itself, so that a
     #: connection that failed while the peer lives (a write `peer_gone` to a peer that still answers) is made again
     #: only by forgetting every region of that peer and importing them anew (nixl: a failed UCX endpoint).

@@ -280,7 +280,6 @@ class CudaIpcTransport(DataTransport):
     backend = "cuda_ipc"
     device_memory = True
     orders_on_device = True
-    completes_on_device = True
 
     def __init__(self, config: TransportConfig) -> None:
         if not torch.cuda.is_available():
