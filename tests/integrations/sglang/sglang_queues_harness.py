@@ -83,8 +83,10 @@ def write_model(directory: Path) -> str:
     return str(directory)
 
 
-def _scheduler_fields(server_args: Any, tp: int, pool: Any, allocator: Any, req_pool: Any, tree: Any) -> dict:
-    """What the queues read of sglang's `Scheduler` (its model config is sglang's real `ModelConfig`)."""
+def _scheduler_fields(server_args: Any, tp: int, pool: Any, allocator: Any, req_pool: Any, tree: Any,
+                      tp_group: Any) -> dict:  # fmt: skip
+    """What the queues read of sglang's `Scheduler` (its model config is sglang's real `ModelConfig`; `tp_group`
+    is the attention-TP gloo group prefill's queues MIN-reduce poll states over, None: the world of one)."""
     from sglang.srt.runtime_context import process_model_config
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
@@ -94,7 +96,7 @@ def _scheduler_fields(server_args: Any, tp: int, pool: Any, allocator: Any, req_
     return dict(
         server_args=server_args, tp_size=tp, model_config=model_config, rust_server=None, kv_shard_widening=1,
         tp_worker=SimpleNamespace(model_runner=runner, is_hybrid_swa=False), token_to_kv_pool_allocator=allocator,
-        req_to_token_pool=req_pool, tree_cache=tree, attn_cp_cpu_group=None, attn_tp_cpu_group=None,
+        req_to_token_pool=req_pool, tree_cache=tree, attn_cp_cpu_group=None, attn_tp_cpu_group=tp_group,
         output_streamer=_Streamer(), metrics_reporter=SimpleNamespace(enable_metrics=False),
         enable_overlap=False, enable_staging=False, enable_hisparse=False, enable_lora=False,
         enable_decode_hicache=False, enable_priority_scheduling=False, random_seed=0, waiting_queue=[],
@@ -142,7 +144,8 @@ class Rank:
                                       skip_tokenizer_init=True, page_size=PAGE, **server_fields)  # fmt: skip
         self.ctx = create_context(self.server_args, role="scheduler", ranks=SpawnRanks(world_rank=rank, dp_rank=None))
         # Stand-in for sglang's attention-TP GroupCoordinator: only its gloo group is read (`tp_group`, a real gloo
-        # group of the instance's ranks, or None: the world of one).
+        # group of the instance's ranks, or None: the world of one). Decode's queues read it from the context,
+        # prefill's from the scheduler's `attn_tp_cpu_group` (below).
         self.ctx.parallel.override_permanently(attn_tp_group=SimpleNamespace(cpu_group=tp_group))
         with self.context():
             heads = HEADS // tp
@@ -163,7 +166,8 @@ class Rank:
             self.meta = MetadataBuffers(META_ROWS, hidden_size=16, hidden_states_dtype=torch.bfloat16,
                                         max_sampling_mask_tokens=16)  # fmt: skip
             self.meta_alloc = ReqToMetadataIdxAllocator(META_ROWS)
-            fields = _scheduler_fields(self.server_args, tp, self.pool, self.allocator, self.req_pool, self.tree)
+            fields = _scheduler_fields(self.server_args, tp, self.pool, self.allocator, self.req_pool, self.tree,
+                                       tp_group)  # fmt: skip
             fields.update(disagg_metadata_buffers=self.meta, req_to_metadata_buffer_idx_allocator=self.meta_alloc)
             backend = TransferBackend("kvstage")
             if mode == "prefill":
@@ -224,11 +228,12 @@ _ports = itertools.count(19410)
 
 class Cluster:
     """A prefill instance of `p_tp` ranks, a decode instance of `d_tp`, sglang's mailbox and kvstage's directory.
-    `decode_groups`: one real gloo group per decode rank (`tp_groups`), else each rank sees a world of one;
-    `decode_fields`: more `ServerArgs` fields for decode (its radix cache)."""
+    `prefill_groups` / `decode_groups`: one real gloo group per rank of that instance (`tp_groups`), else each rank
+    sees a world of one; `decode_fields`: more `ServerArgs` fields for decode (its radix cache)."""
 
     def __init__(self, model: str, p_tp: int, d_tp: int, monkeypatch: Any, timeout_s: float,
-                 decode_groups: list[Any] | None = None, **decode_fields: Any) -> None:  # fmt: skip
+                 prefill_groups: list[Any] | None = None, decode_groups: list[Any] | None = None,
+                 **decode_fields: Any) -> None:  # fmt: skip
         from kvstage.integrations.sglang.conn import KVStageBootstrapServer
         from kvstage.transport.bootstrap import BootstrapServer
 
@@ -239,8 +244,11 @@ class Cluster:
             monkeypatch.setenv(k, v)
         self.mailbox = KVStageBootstrapServer("127.0.0.1", self.port)  # sglang starts it on the prefill instance
         monkeypatch.setenv("KVSTAGE_INSTANCE", f"q-prefill-{self.port}")
-        self.prefill = [Rank(model, "prefill", p_tp, r, self.port) for r in range(p_tp)]
+        self.prefill_shares_group = prefill_groups is not None
+        p_groups = prefill_groups or [None] * p_tp
+        self.prefill = [Rank(model, "prefill", p_tp, r, self.port, p_groups[r]) for r in range(p_tp)]
         monkeypatch.setenv("KVSTAGE_INSTANCE", f"q-decode-{self.port}")
+        self.decode_shares_group = decode_groups is not None
         groups = decode_groups or [None] * d_tp
         self.decode = [Rank(model, "decode", d_tp, r, self.port, groups[r], **decode_fields) for r in range(d_tp)]
 
@@ -281,10 +289,17 @@ def forward(rank: Rank, req: Any, truth: torch.Tensor) -> None:
 
 def prefill_request(rank: Rank, req: Any, truth: torch.Tensor, chunk_tokens: int, first_token: int) -> None:
     """One prefill rank's life of `req`: bootstrap queue, chunked prefill sends, inflight queue."""
-    tokens = truth.shape[2]
     rank.call(rank.bootstrap.add, req, rank.pool.head_num)
     popped = rank.call(rank.bootstrap.pop_bootstrapped)
     assert popped == [req], "kvstage's sender must let prefill start at once (WaitingForInput)"
+    prefill_sends(rank, req, truth, chunk_tokens, first_token)
+
+
+def prefill_sends(rank: Rank, req: Any, truth: torch.Tensor, chunk_tokens: int, first_token: int,
+                  last: bool = True) -> None:  # fmt: skip
+    """A bootstrapped `req` on one prefill rank: forward, chunked prefill sends, into the inflight queue, and its
+    last chunk sent (unless `last` is False: the test sends it later, `send_last`)."""
+    tokens = truth.shape[2]
     forward(rank, req, truth)
     for end in range(chunk_tokens, tokens, chunk_tokens):  # process_prefill_chunk: one send per middle chunk
         req.extend_end = end
@@ -292,6 +307,12 @@ def prefill_request(rank: Rank, req: Any, truth: torch.Tensor, chunk_tokens: int
     req.extend_end = tokens  # process_batch_result_disagg_prefill, last chunk
     req.output_ids.append(first_token)
     rank.sched.disagg_prefill_inflight_queue.append(req)
+    if last:
+        send_last(rank, req)
+
+
+def send_last(rank: Rank, req: Any) -> None:
+    """The send of `req`'s last chunk (with its aux row), as process_batch_result_disagg_prefill does."""
     rank.call(rank.sched.send_kv_chunk, req, last_chunk=True)
 
 
@@ -347,23 +368,38 @@ def abort_message(req: Any) -> str:
     return str(req.finished_reason.message)
 
 
+def on_threads(ranks: list[Rank], fn: Callable[[Rank], Any]) -> list[Any]:
+    """`fn(rank)` for every rank of an instance at once, each on a thread of its own (the collectives over their
+    shared gloo group need all ranks' calls at once), all under the instance's rank 0's runtime context (sglang's
+    context is one per process; the ranks' contexts differ only in rank numbers, which the queues read when they
+    are built, and in what sglang logs)."""
+    with ranks[0].context(), ThreadPoolExecutor(len(ranks)) as pool:
+        return [f.result(timeout=60) for f in [pool.submit(fn, r) for r in ranks]]
+
+
 def run_queues_tp(c: Cluster, until: Any, timeout_s: float = 30) -> dict[str, list[Any]]:
-    """`run_queues` for a decode instance whose ranks share a real gloo group (`tp_groups`): each turn, every decode
-    rank turns its queues on a thread of its own (their collectives need all ranks at once), all under decode rank
-    0's runtime context (sglang's context is one per process; the ranks' contexts differ only in rank numbers, which
-    the queues read when they are built). `done["turns"]` has, per turn, each decode rank's transferred requests."""
-    done: dict[str, list[Any]] = {"prefill": [], "decode": [], "decode_failed": [], "turns": []}
+    """`run_queues` where an instance's ranks share a real gloo group (`tp_groups`): each turn, that instance's ranks
+    turn their queues at once (`on_threads`); an instance without one turns them one rank after another.
+    `done["prefill_turns"]` / `done["turns"]` have, per turn, each prefill / decode rank's requests that left its
+    inflight / transfer queue."""
+    done: dict[str, list[Any]] = {"prefill": [], "decode": [], "decode_failed": [], "prefill_turns": [], "turns": []}
+
+    def prefill_turn(r: Rank) -> list[Any]:
+        return list(r.sched.process_disagg_prefill_inflight_queue())
 
     def decode_turn(r: Rank) -> tuple[list[Any], list[Any]]:
         ready, failed = r.prealloc.pop_preallocated()
         r.transfer.extend(ready)
         return failed, r.transfer.pop_transferred()
 
+    def each(ranks: list[Rank], fn: Callable[[Rank], Any], together: bool) -> list[Any]:
+        return on_threads(ranks, fn) if together else [r.call(fn, r) for r in ranks]
+
     def turn() -> bool:
-        for r in c.prefill:
-            done["prefill"] += r.call(r.sched.process_disagg_prefill_inflight_queue)
-        with c.decode[0].context(), ThreadPoolExecutor(len(c.decode)) as pool:
-            results = [f.result(timeout=60) for f in [pool.submit(decode_turn, r) for r in c.decode]]
+        popped = each(c.prefill, prefill_turn, c.prefill_shares_group)
+        done["prefill_turns"].append(popped)
+        done["prefill"] += [req for reqs in popped for req in reqs]
+        results = each(c.decode, decode_turn, c.decode_shares_group)
         done["turns"].append([popped for _, popped in results])
         for failed, popped in results:
             done["decode_failed"] += failed

@@ -20,6 +20,7 @@ Real, beyond what test_sglang_queues.py lists:
 
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
 from typing import Any
 
@@ -35,10 +36,13 @@ from sglang_queues_harness import (
     forward,
     handoff,
     new_req,
+    on_threads,
     prefill_request,
+    prefill_sends,
     ring_empty,
     run_queues,
     run_queues_tp,
+    send_last,
     slots_of,
     tp_groups,
     wait,
@@ -253,3 +257,100 @@ def test_a_rank_failed_by_its_tp_group_stops_writing_the_pages_it_gave_back(queu
     ring_empty(c)
     for layer in range(LAYERS):
         assert (d0.pool.k_buffer[layer][pages] == 7).all() and (d0.pool.v_buffer[layer][pages] == 7).all()
+
+
+def prefill_tp_handoff(c: Any, room: int, hold_last: bool = False) -> tuple[list[Any], list[Any], torch.Tensor]:
+    """Prefill TP 2, whose ranks share a real gloo group, -> decode TP 1: the request through prefill's bootstrap
+    queue (both ranks pop it at once: its poll is MIN-reduced too) and its chunked sends into the inflight queue.
+    `hold_last`: prefill rank 1's last chunk (with its aux row) is not sent (a rank behind the other). Returns
+    prefill's and decode's `Req`s and the KV."""
+    truth = torch.randn(2, LAYERS, 40, HEADS, DIM).to(torch.bfloat16)
+    d = c.decode[0]
+    d_req = new_req(f"r{room}", 40, room, c.port)
+    d.call(d.prealloc.add, d_req)
+    p_reqs = [new_req(f"r{room}", 40, room, c.port) for _ in c.prefill]
+    for r, req in zip(c.prefill, p_reqs, strict=True):
+        r.call(r.bootstrap.add, req, r.pool.head_num)
+    assert on_threads(c.prefill, lambda r: r.bootstrap.pop_bootstrapped()) == [[req] for req in p_reqs]
+    for r, req in zip(c.prefill, p_reqs, strict=True):
+        prefill_sends(r, req, truth, 8, first_token=4242, last=not (hold_last and r.rank == 1))
+    return p_reqs, [d_req], truth
+
+
+def own_poll(req: Any) -> int:
+    """A prefill rank's own poll of its `req`, the last time its inflight queue polled (what it would report alone,
+    before sglang's MIN over the group)."""
+    return int(req.disagg_kv_sender.room.state)
+
+
+def released_turns(done: dict[str, list[Any]]) -> list[Any]:
+    """The turns in which some prefill rank let a request leave its inflight queue, each rank's requests."""
+    return [turn for turn in done["prefill_turns"] if any(turn)]
+
+
+@pytest.mark.parametrize("held", ["outcome", "last_send"])
+def test_prefill_tp_ranks_release_a_request_together_over_the_gloo_group(queues_of: Any, held: str) -> None:
+    """Prefill TP 2 (a real gloo group) -> decode TP 1. Prefill rank 1's part is held back: its room's outcome
+    (`outcome`: its KV sent and its room ended in its agent, the outcome not taken), or its last chunk's send
+    (`last_send`: a rank behind the other). Rank 0's own poll says Success, but sglang's MIN over the group keeps
+    the request in rank 0's inflight queue too, until rank 1 is done; then both release it in the same turn,
+    decode's KV bit-exact, every page back. (Checked by hand: with a world of one per rank instead of the shared
+    group, rank 0 releases alone and the test fails.)"""
+    c = queues_of(2, 1, prefill_groups=tp_groups(2))
+    p1 = c.prefill[1]
+    free = [r.allocator.available_size() for r in c.prefill]
+    let_go: list[bool] = []
+    backend, take = p1.kv_manager.backend, p1.kv_manager.backend.take_outcome
+    if held == "outcome":
+        backend.take_outcome = lambda room: take(room) if let_go else None  # rank 1 takes it only when let
+    p_reqs, d_reqs, truth = prefill_tp_handoff(c, 731, hold_last=held == "last_send")
+    rank1_ended = (lambda: p1.agent.snapshot().open_rooms == 0) if held == "outcome" else (lambda: True)
+    done = run_queues_tp(c, lambda d: own_poll(p_reqs[0]) == 4 and rank1_ended())  # rank 0 alone would go now
+    more = run_queues_tp(c, lambda d: len(d["prefill_turns"]) >= 50)
+    assert released_turns(done) == released_turns(more) == [], "a prefill rank released the request alone"
+    assert own_poll(p_reqs[0]) == 4 and own_poll(p_reqs[1]) == 3
+    assert all(r.sched.disagg_prefill_inflight_queue == [req] for r, req in zip(c.prefill, p_reqs, strict=True))
+    let_go.append(True)
+    if held == "last_send":
+        send_last(p1, p_reqs[1])
+    done = run_queues_tp(c, lambda d: d["prefill"] and not c.decode[0].transfer.queue)
+    assert released_turns(done) == [[[p_reqs[0]], [p_reqs[1]]]], released_turns(done)  # both ranks, one turn
+    assert done["decode_failed"] == []
+    for r, req, n in zip(c.prefill, p_reqs, free, strict=True):
+        assert req.kv.req_pool_idx is None and r.allocator.available_size() == n
+    assert torch.equal(decode_kv(c, d_reqs, 40).view(torch.int16), truth.view(torch.int16))
+    assert list(d_reqs[0].output_ids) == [4242], d_reqs[0].output_ids
+    ring_empty(c)
+
+
+def test_one_prefill_tp_rank_failing_fails_the_request_on_every_prefill_rank(
+    queues_of: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Prefill TP 2 (a real gloo group) -> decode TP 1. Rank 0's part is in decode (its own poll says Success);
+    rank 1, behind (its last chunk not sent), fails the room (planted: its kvstage agent aborts it, as a failure
+    there ends it). sglang's MIN fails the request on both prefill ranks in the same turn: rank 1 with kvstage's
+    reason, rank 0 saying it came from another TP rank; both ranks' pages go back to sglang's allocator; decode
+    ends the request failed with kvstage's reason, its pages back and its ring empty."""
+    c = queues_of(2, 1, prefill_groups=tp_groups(2))
+    p1 = c.prefill[1]
+    d = c.decode[0]
+    free = [r.allocator.available_size() for r in c.prefill]
+    d_free = d.allocator.available_size()
+    p_reqs, d_reqs, _ = prefill_tp_handoff(c, 732, hold_last=True)
+    before = run_queues_tp(c, lambda done: own_poll(p_reqs[0]) == 4 and own_poll(p_reqs[1]) == 3)
+    assert released_turns(before) == [], "a prefill rank released the request alone"
+    caplog.set_level(logging.DEBUG, logger="sglang.srt.disaggregation.prefill")
+    p1.agent.abort(732)  # planted: prefill rank 1's room fails there
+    done = run_queues_tp(c, lambda done: done["prefill"] and not d.prealloc.queue and not d.transfer.queue)
+    assert released_turns(done) == [[[p_reqs[0]], [p_reqs[1]]]], released_turns(done)  # both ranks, one turn
+    # sglang logs a failure from another rank at DEBUG only: `is_from_another_rank` reached it from rank 0's error
+    logged = [(r.levelno, r.getMessage()) for r in caplog.records if "Prefill transfer failed" in r.getMessage()]
+    assert [lvl for lvl, m in logged if "another TP rank" in m] == [logging.DEBUG], logged
+    assert [lvl for lvl, m in logged if "aborted by prefill" in m] == [logging.WARNING], logged
+    assert "another TP rank" in abort_message(p_reqs[0]), abort_message(p_reqs[0])
+    assert "aborted by prefill" in abort_message(p_reqs[1]), abort_message(p_reqs[1])
+    for r, req, n in zip(c.prefill, p_reqs, free, strict=True):
+        assert req.kv.req_pool_idx is None and r.allocator.available_size() == n
+    assert done["decode"] == [] and "aborted by prefill" in abort_message(d_reqs[0]), abort_message(d_reqs[0])
+    assert d_reqs[0].kv.req_pool_idx is None and d.allocator.available_size() == d_free
+    ring_empty(c)
