@@ -43,6 +43,7 @@ from sglang_queues_harness import (
     decode_kv,
     forward,
     handoff,
+    keeps_no_room,
     new_req,
     prefill_request,
     ring_empty,
@@ -105,7 +106,8 @@ def test_decode_abort_ends_both_sides_failed_and_frees_the_ring(queues_of: Any) 
 
 def test_prefill_abort_mid_chunked_prefill_fails_decode_with_reason(queues_of: Any) -> None:
     """Prefill aborts a request after its first chunk was sent (sglang's `release_aborted_prefill_waiting_req`):
-    decode's transfer queue ends it failed with a reason, and decode's ring is empty."""
+    decode's transfer queue ends it failed with a reason, and decode's ring is empty. sglang never clears the
+    aborted sender, so prefill's backends must drop the room's outcome themselves: they keep nothing of it."""
     c = queues_of(2, 1)
     d = c.decode[0]
     d_req = new_req("r602", 64, 602, c.port)
@@ -124,3 +126,5 @@ def test_prefill_abort_mid_chunked_prefill_fails_decode_with_reason(queues_of: A
     assert done["decode"] == []
     assert "aborted by prefill" in abort_message(d_req), abort_message(d_req)
     ring_empty(c)
+    for p in c.prefill:
+        keeps_no_room(p)

@@ -35,6 +35,7 @@ from sglang_queues_harness import (
     decode_kv,
     forward,
     handoff,
+    keeps_no_room,
     new_req,
     on_threads,
     prefill_request,
@@ -259,15 +260,18 @@ def test_a_rank_failed_by_its_tp_group_stops_writing_the_pages_it_gave_back(queu
         assert (d0.pool.k_buffer[layer][pages] == 7).all() and (d0.pool.v_buffer[layer][pages] == 7).all()
 
 
-def prefill_tp_handoff(c: Any, room: int, hold_last: bool = False) -> tuple[list[Any], list[Any], torch.Tensor]:
+def prefill_tp_handoff(c: Any, room: int, hold_last: bool = False,
+                       decode: bool = True) -> tuple[list[Any], list[Any], torch.Tensor]:  # fmt: skip
     """Prefill TP 2, whose ranks share a real gloo group, -> decode TP 1: the request through prefill's bootstrap
     queue (both ranks pop it at once: its poll is MIN-reduced too) and its chunked sends into the inflight queue.
-    `hold_last`: prefill rank 1's last chunk (with its aux row) is not sent (a rank behind the other). Returns
-    prefill's and decode's `Req`s and the KV."""
+    `hold_last`: prefill rank 1's last chunk (with its aux row) is not sent (a rank behind the other); `decode`
+    False: decode has not admitted the request (no room registered). Returns prefill's and decode's `Req`s and the
+    KV."""
     truth = torch.randn(2, LAYERS, 40, HEADS, DIM).to(torch.bfloat16)
     d = c.decode[0]
     d_req = new_req(f"r{room}", 40, room, c.port)
-    d.call(d.prealloc.add, d_req)
+    if decode:
+        d.call(d.prealloc.add, d_req)
     p_reqs = [new_req(f"r{room}", 40, room, c.port) for _ in c.prefill]
     for r, req in zip(c.prefill, p_reqs, strict=True):
         r.call(r.bootstrap.add, req, r.pool.head_num)
@@ -354,3 +358,24 @@ def test_one_prefill_tp_rank_failing_fails_the_request_on_every_prefill_rank(
     assert done["decode"] == [] and "aborted by prefill" in abort_message(d_reqs[0]), abort_message(d_reqs[0])
     assert d_reqs[0].kv.req_pool_idx is None and d.allocator.available_size() == d_free
     ring_empty(c)
+
+
+def test_a_prefill_rank_failed_by_its_tp_group_keeps_nothing_of_the_room(queues_of: Any) -> None:
+    """Prefill TP 2 (a real gloo group); decode has not admitted the request yet, so rank 0's room stays open,
+    waiting for it. Rank 1's room fails (planted: its agent aborts it); sglang's MIN fails the request on rank 0
+    too, which gives its room back (aborted in its agent) and its pages to sglang. sglang 0.5.23 never clears a
+    failed sender (its inflight queue calls `clear()` only on success), so the outcome rank 0's agent still owes
+    for the room must be dropped when it comes: neither rank's backend keeps anything of the room."""
+    c = queues_of(2, 1, prefill_groups=tp_groups(2))
+    free = [r.allocator.available_size() for r in c.prefill]
+    p_reqs, _, _ = prefill_tp_handoff(c, 733, decode=False)
+    before = run_queues_tp(c, lambda done: len(done["prefill_turns"]) >= 5)
+    assert released_turns(before) == [] and own_poll(p_reqs[0]) == own_poll(p_reqs[1]) == 3
+    c.prefill[1].agent.abort(733)  # planted: prefill rank 1's room fails there
+    done = run_queues_tp(c, lambda done: done["prefill"])
+    assert released_turns(done) == [[[p_reqs[0]], [p_reqs[1]]]], released_turns(done)  # both ranks, one turn
+    assert "another TP rank" in abort_message(p_reqs[0]), abort_message(p_reqs[0])
+    assert "aborted by prefill" in abort_message(p_reqs[1]), abort_message(p_reqs[1])
+    for r, req, n in zip(c.prefill, p_reqs, free, strict=True):
+        assert req.kv.req_pool_idx is None and r.allocator.available_size() == n
+        keeps_no_room(r)

@@ -60,7 +60,8 @@ class _Room:
         self.failure_reason = ""
         self.kv_done = False
         self.aux = b""  # decode: the room's aux row, from kvstage's outcome
-        self.registered = False  # the agent holds the room (attached or expected): its outcome will come
+        self.registered = False  # the agent holds the room (attached or expected): its outcome will come (False
+        # again once given back: that outcome is dropped when it comes)
         self.outcome_seen = False
         if why := check_room(room):
             self.fail(why, refused=True)
@@ -91,10 +92,14 @@ class _Room:
 
     def give_back(self) -> None:
         """sglang takes the room's pages back now: once this returns no copy of kvstage's uses them (on the CPU a
-        running one has finished; on a GPU sglang's current stream waits for those queued), and the room is aborted."""
+        running one has finished; on a GPU sglang's current stream waits for those queued), and the room is aborted.
+        The outcome the agent still owes is dropped when it comes: sglang 0.5.23 clears a prefill sender only after
+        success, so no `clear` would (a later one drops nothing more)."""
         if not self.registered or self.outcome_seen:
             return
         event = self.backend.agent.reclaim(self.room)
+        self.backend.forget(self.room, awaiting=True)
+        self.registered = False
         if event is not None:
             torch.cuda.current_stream().wait_event(event)
 
