@@ -108,3 +108,18 @@ def wait(predicate: Any, timeout_s: float = 30.0) -> None:
     while not predicate():
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.002)
+
+
+def keeps_no_room(backend: Any, ended: int) -> None:
+    """Once a rank's agent has ended `ended` rooms in all and holds none, its backend (`RankBackend`) keeps no
+    outcome of any: what the agent reported is drained first (room 0 is never a room). The agent's snapshot, which
+    lags by up to 10 ms, counts a room as ended only once its outcome is out."""
+
+    def ended_all() -> bool:
+        snap = backend.agent.snapshot()
+        done = snap.stats.get("rooms_succeeded", 0) + snap.stats.get("rooms_failed", 0)
+        return done >= ended and snap.open_rooms == 0 and snap.quiescent
+
+    wait(ended_all)
+    assert backend.take_outcome(0) is None
+    assert backend.kept_outcomes() == 0, backend.kept_outcomes()

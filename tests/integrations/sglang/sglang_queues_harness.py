@@ -349,15 +349,6 @@ def ring_empty(c: Cluster) -> None:
         wait(lambda a=r.agent: a.wait_quiescent(0.05) and a.snapshot().ring_live_bytes == 0)
 
 
-def keeps_no_room(rank: Rank) -> None:
-    """Once `rank`'s agent has ended every room, its backend keeps no outcome of any (what the agent reported is
-    drained first; room 0 is never a room)."""
-    wait(lambda: rank.agent.wait_quiescent(0.05) and rank.agent.snapshot().open_rooms == 0)
-    backend = rank.kv_manager.backend
-    assert backend.take_outcome(0) is None
-    assert backend.kept_outcomes() == 0, (rank.mode, rank.rank, backend.kept_outcomes())
-
-
 def handoff(c: Cluster, room: int, tokens: int, chunk_tokens: int) -> tuple[list[Any], list[Any], torch.Tensor]:
     """A request through both instances' queues; returns prefill's and decode's `Req` of every rank and the KV."""
     truth = torch.randn(2, LAYERS, tokens, HEADS, DIM).to(torch.bfloat16)

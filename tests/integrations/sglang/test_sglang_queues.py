@@ -35,6 +35,7 @@ from typing import Any
 
 import pytest
 import torch
+from sglang_harness import keeps_no_room
 from sglang_queues_harness import (
     DIM,
     HEADS,
@@ -43,7 +44,6 @@ from sglang_queues_harness import (
     decode_kv,
     forward,
     handoff,
-    keeps_no_room,
     new_req,
     prefill_request,
     ring_empty,
@@ -127,4 +127,4 @@ def test_prefill_abort_mid_chunked_prefill_fails_decode_with_reason(queues_of: A
     assert "aborted by prefill" in abort_message(d_req), abort_message(d_req)
     ring_empty(c)
     for p in c.prefill:
-        keeps_no_room(p)
+        keeps_no_room(p.kv_manager.backend, ended=1)

@@ -26,6 +26,7 @@ from typing import Any
 
 import pytest
 import torch
+from sglang_harness import keeps_no_room
 from sglang_queues_harness import (
     DIM,
     HEADS,
@@ -35,7 +36,6 @@ from sglang_queues_harness import (
     decode_kv,
     forward,
     handoff,
-    keeps_no_room,
     new_req,
     on_threads,
     prefill_request,
@@ -378,4 +378,4 @@ def test_a_prefill_rank_failed_by_its_tp_group_keeps_nothing_of_the_room(queues_
     assert "aborted by prefill" in abort_message(p_reqs[1]), abort_message(p_reqs[1])
     for r, req, n in zip(c.prefill, p_reqs, free, strict=True):
         assert req.kv.req_pool_idx is None and r.allocator.available_size() == n
-        keeps_no_room(r)
+        keeps_no_room(r.kv_manager.backend, ended=1)

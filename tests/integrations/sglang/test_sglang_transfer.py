@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from sglang_harness import PAGE, Cluster, make_cluster, wait
+from sglang_harness import PAGE, Cluster, keeps_no_room, make_cluster, wait
 
 _ports = itertools.count(18990)
 
@@ -232,3 +232,18 @@ def test_dead_peer(cluster_of: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     reason = failed(c, recv)[0]
     assert any(w in reason for w in ("peer dead", "timeout", "aborted by prefill", "peer restarted")), reason
     ring_empty(c)
+
+
+def test_a_send_beyond_the_announced_pages_fails_the_room_and_keeps_nothing_of_it(cluster_of: Any) -> None:
+    """A send of more pages than `init` announced fails the room with `invalid request` and aborts it in the agent.
+    sglang never clears a failed sender, so the backend drops the room's outcome itself: it keeps nothing of it."""
+    from sglang.srt.disaggregation.common.conn import KVTransferError
+
+    c = cluster_of(1, 1)
+    (tx,) = senders(c, 84)
+    tx.init(2, 3)
+    tx.send(list(range(1, 4)), None)
+    assert tx.poll() == 0
+    with pytest.raises(KVTransferError, match="invalid request: send of 3 pages of 2"):
+        tx.failure_exception()
+    keeps_no_room(c.prefill[0].mgr.backend, ended=1)

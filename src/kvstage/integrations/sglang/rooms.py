@@ -130,7 +130,7 @@ class SenderRoom(_Room):
         if self.num_pages == 0 or has_state or len(self.pages) + len(pages) > self.num_pages:
             why = "state payloads" if has_state else f"{len(self.pages) + len(pages)} pages of {self.num_pages}"
             self.fail(f"invalid request: send of {why} (not initialised, or more than announced)", refused=True)
-            self.backend.agent.abort(self.room)
+            self.give_back()
             return
         self.pages.extend(pages)
         end = len(self.pages) * self.backend.page_size
