@@ -1,5 +1,6 @@
 """sglang 0.5.23's real disaggregation queues with the kvstage backend on CPU (sglang_queues_harness.py): a decode
-prefix hit in sglang's real radix cache, dead peers, and the TP minimum of poll states over a real gloo group.
+prefix hit in sglang's real radix cache, dead peers, and the TP minimum of poll states over a real gloo group, on
+decode's transfer queue and on prefill's bootstrap and inflight queues.
 
 Real, beyond what test_sglang_queues.py lists:
 - decode's radix cache: sglang's `RadixCache`, enabled as `--disaggregation-decode-enable-radix-cache` turns it on
@@ -10,12 +11,20 @@ Real, beyond what test_sglang_queues.py lists:
   Stand-in: the request is marked finished by the test (no decode forward ran).
 - a dead peer: the rank's kvstage agent is closed mid-room (as test_sglang_transfer.py's dead prefill), its
   sglang objects left in place; the other instance's queues go on being turned and must end the request.
-- the TP minimum: the decode instance's ranks get a real gloo group of two (`ProcessGroupGloo`, one per rank, in
-  this process), and sglang's `poll_and_all_reduce` MIN-reduces their poll states over it. Its collectives need
-  both ranks' calls at once, so each decode rank turns its queues on a thread of its own (`run_queues_tp`). sglang's
-  runtime context is a process global, not per thread: both threads run under decode rank 0's context, which
-  differs from rank 1's only in rank numbers, read by the queues at construction (each rank's queues were built
-  under its own context), not while they are turned.
+- the TP minimum: one instance's ranks get a real gloo group of two (`ProcessGroupGloo`, one per rank, in this
+  process), and sglang's `poll_and_all_reduce` MIN-reduces their poll states over it: decode's (its transfer
+  queue reads the group from the runtime context) or prefill's (its bootstrap queue's `pop_bootstrapped` and the
+  prefill mixin's `process_disagg_prefill_inflight_queue` read the scheduler's `attn_tp_cpu_group`, set to the
+  group on the stand-in scheduler). The collectives need both ranks' calls at once, so each rank of that instance
+  turns its queues on a thread of its own (`on_threads`, `run_queues_tp`). sglang's runtime context is a process
+  global, not per thread: both threads run under that instance's rank 0's context, which differs from rank 1's
+  only in rank numbers, read by the queues at construction (each rank's queues were built under its own context),
+  not while they are turned (sglang's failure log line names rank 0 for both). The other instance has a world of
+  one per rank.
+- stand-ins of the TP-minimum tests: a prefill rank held back is one whose last chunk's send is delayed by the
+  test (in sglang it comes as the request enters the inflight queue) or whose backend hands out its room's outcome
+  late (its agent ended the room; the backend's `take_outcome` is wrapped); a failure is planted by aborting the
+  room in that rank's kvstage agent (prefill) or by altering the outcome its backend hands out (decode).
 """
 
 from __future__ import annotations
@@ -262,23 +271,23 @@ def test_a_rank_failed_by_its_tp_group_stops_writing_the_pages_it_gave_back(queu
 
 def prefill_tp_handoff(c: Any, room: int, hold_last: bool = False,
                        decode: bool = True) -> tuple[list[Any], list[Any], torch.Tensor]:  # fmt: skip
-    """Prefill TP 2, whose ranks share a real gloo group, -> decode TP 1: the request through prefill's bootstrap
+    """Prefill TP 2, whose ranks share a real gloo group, -> decode: the request through prefill's bootstrap
     queue (both ranks pop it at once: its poll is MIN-reduced too) and its chunked sends into the inflight queue.
     `hold_last`: prefill rank 1's last chunk (with its aux row) is not sent (a rank behind the other); `decode`
     False: decode has not admitted the request (no room registered). Returns prefill's and decode's `Req`s and the
     KV."""
     truth = torch.randn(2, LAYERS, 40, HEADS, DIM).to(torch.bfloat16)
-    d = c.decode[0]
-    d_req = new_req(f"r{room}", 40, room, c.port)
-    if decode:
-        d.call(d.prealloc.add, d_req)
+    d_reqs = [new_req(f"r{room}", 40, room, c.port) for _ in c.decode]
+    for r, req in zip(c.decode, d_reqs, strict=True):
+        if decode:
+            r.call(r.prealloc.add, req)
     p_reqs = [new_req(f"r{room}", 40, room, c.port) for _ in c.prefill]
     for r, req in zip(c.prefill, p_reqs, strict=True):
         r.call(r.bootstrap.add, req, r.pool.head_num)
     assert on_threads(c.prefill, lambda r: r.bootstrap.pop_bootstrapped()) == [[req] for req in p_reqs]
     for r, req in zip(c.prefill, p_reqs, strict=True):
         prefill_sends(r, req, truth, 8, first_token=4242, last=not (hold_last and r.rank == 1))
-    return p_reqs, [d_req], truth
+    return p_reqs, d_reqs, truth
 
 
 def own_poll(req: Any) -> int:
@@ -379,3 +388,22 @@ def test_a_prefill_rank_failed_by_its_tp_group_keeps_nothing_of_the_room(queues_
     for r, req, n in zip(c.prefill, p_reqs, free, strict=True):
         assert req.kv.req_pool_idx is None and r.allocator.available_size() == n
         keeps_no_room(r.kv_manager.backend, ended=1)
+
+
+def test_both_instances_tp_ranks_release_a_request_together(queues_of: Any) -> None:
+    """Prefill TP 2 and decode TP 2, each instance's ranks sharing a real gloo group of their own: the request goes
+    through both instances' queues, each instance's ranks let it go in one turn, decode's KV bit-exact on both
+    ranks, every prefill page back, rings empty. This checks that both groups at once work (neither instance's
+    collectives wait on the other's, the KV is right), not the minimum itself: with a world of one per rank it
+    passes too (checked by hand); the tests that hold a rank back check the minimum."""
+    c = queues_of(2, 2, prefill_groups=tp_groups(2), decode_groups=tp_groups(2))
+    free = [r.allocator.available_size() for r in c.prefill]
+    p_reqs, d_reqs, truth = prefill_tp_handoff(c, 734)
+    done = run_queues_tp(c, lambda d: len(d["prefill"]) == 2 and len(d["decode"]) == 2)
+    assert released_turns(done) == [[[p_reqs[0]], [p_reqs[1]]]], released_turns(done)
+    assert [turn for turn in done["turns"] if any(turn)] == [[[d_reqs[0]], [d_reqs[1]]]], done["turns"]
+    assert torch.equal(decode_kv(c, d_reqs, 40).view(torch.int16), truth.view(torch.int16))
+    assert all(list(req.output_ids) == [4242] for req in d_reqs), [req.output_ids for req in d_reqs]
+    for r, req, n in zip(c.prefill, p_reqs, free, strict=True):
+        assert req.kv.req_pool_idx is None and r.allocator.available_size() == n
+    ring_empty(c)
