@@ -14,7 +14,8 @@ readings is bounded within `MAX_ROUND_TRIP_NS` (the calling thread waited on the
 process) keeps the last mapping while it is younger than `MAX_MAPPING_AGE_S` (twice the usual age) and is tried again
 after `RETRY_S`; with no mapping that young it raises `TransportError`, failing the write.
 
-The kernel is compiled once per element width (no specialisation on alignment or length), when the clock is made.
+The kernel is compiled per element width and per 16-byte alignment of the skipped count (no specialisation on the
+copy's alignment or length), when the clock is made, so no write compiles it.
 Called by transport/data/cuda_ipc.py: a clock per GPU a transport writes from, made when a GPU region is allocated
 or registered there, read (and recalibrated) on its launcher thread.
 """
@@ -91,12 +92,15 @@ class DeviceClock:
         self.calibrate()
 
     def _compile(self) -> None:
-        """One small copy per element width, with no deadline to speak of, on this clock's stream."""
+        """One small copy per element width and counter alignment, with no deadline to speak of, on this clock's
+        stream."""
         buffers = torch.zeros(2, 64, dtype=torch.uint8, device=self._device)
-        skipped = torch.zeros(1, dtype=torch.int32, device=self._device)
+        skipped = torch.zeros(2, dtype=torch.int32, device=self._device)
         with torch.cuda.stream(self._stream):
             for width in _WIDTHS:
-                bounded_copy(buffers[1, : width.itemsize], buffers[0, : width.itemsize], 2**62, skipped)
+                for count in (skipped[:1], skipped[1:]):  # Triton specialises on the count's 16-byte alignment, and
+                    # a write's counter slot (cuda_ipc's `_Counters`) has it or not: compile both now, not at a write
+                    bounded_copy(buffers[1, : width.itemsize], buffers[0, : width.itemsize], 2**62, count)
             _read_clock_kernel[(1,)](self._out)
         self._stream.synchronize()
 
