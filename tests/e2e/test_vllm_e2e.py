@@ -142,7 +142,9 @@ def test_a_client_that_disconnects_mid_stream_ends_the_request_on_both_sides_and
     before = decode_rooms(cluster.reports)
     assert complete(url, prompt) == single_instance(cluster, "D1", prompt)
     assert_bit_exact(cluster, spec, wait_new_rooms(cluster, before, 1))
-    assert _ring_live_bytes(cluster, "D1") == 0
+    # the ring gauge is refreshed at most every 10 ms (REFRESH_S), so the counters written as the room ended may
+    # still show its last region: the ring must drain, not hold it at that instant
+    _wait_ring_empty(cluster, "D1", url, timeout_s=10.0)
 
 
 def test_z1_a_prefill_instance_killed_mid_transfer_leaves_decode_serving_and_nothing_leaked(
