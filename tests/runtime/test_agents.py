@@ -3,6 +3,8 @@ compatibility checks and failure paths. The cross-process acceptance is in test_
 
 from __future__ import annotations
 
+import os
+import resource
 import threading
 import time
 
@@ -158,6 +160,28 @@ def test_an_aux_row_given_with_the_last_kv_ready_arrives_in_every_decode_ranks_o
         assert all(o.ok and o.aux == b"" for o in wait_outcomes(agent, len(rows)).values())
     for side in sides.values():
         _assert_landed(cluster, side, 0)
+
+
+def test_agents_made_in_a_process_holding_over_1024_descriptors_hand_off_bit_exact(make_cluster):
+    """An engine's process may hold many descriptors: the agents' eventfds and sockets then have numbers `select`
+    refuses, and the reactor waits with `poll` instead of dying on its first wait."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1400:
+        pytest.skip(f"the hard limit of open files is {hard}")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1400), hard))
+    held: list[int] = []
+    try:
+        while not held or held[-1] < 1100:
+            held.append(os.dup(0))
+        cluster = make_cluster(2, 1)
+        assert cluster.decode[0]._mailbox.fileno() >= 1024
+        sides = _run_room(cluster, 1, 37)
+        for agent in cluster.decode + cluster.prefill:
+            assert wait_outcomes(agent, 1)[1].ok
+        _assert_landed(cluster, sides, 0)
+    finally:
+        for fd in held:
+            os.close(fd)
 
 
 def test_a_refused_kv_ready_fails_its_room_at_once_on_both_sides_not_at_its_deadline(make_cluster):

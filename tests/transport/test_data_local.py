@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import resource
 import subprocess
 import sys
 import time
@@ -137,3 +138,29 @@ def test_a_pid_that_never_ran_reads_dead() -> None:
     with open("/proc/sys/kernel/pid_max") as f:
         unused = int(f.read()) + 1  # above the largest pid the kernel hands out
     assert not ProcessWatch().alive(unused)
+
+
+def test_a_watch_works_with_descriptors_past_1024_as_a_busy_engine_process_holds() -> None:
+    """`select` refuses descriptors of 1024 and above; the pidfd a watch opens may be one in an engine's process."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1200:
+        pytest.skip(f"the hard limit of open files is {hard}")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1200), hard))
+    held: list[int] = []
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    watch = ProcessWatch()
+    try:
+        while not held or held[-1] < 1100:
+            held.append(os.dup(0))
+        watch.watch(child.pid)
+        assert watch.alive(child.pid)
+        child.kill()
+        child.wait()
+        assert not watch.alive(child.pid)
+    finally:
+        child.kill()
+        child.wait()
+        watch.close()
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

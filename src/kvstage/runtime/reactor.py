@@ -10,7 +10,8 @@ this module owns both waits:
 - the control channel's descriptor (ZeroMQ's edge-triggered `FD`, transport/control.py).
 
 `wait_for_work` sleeps on both with `select`, whose timeout has microsecond resolution (the device work of a chunk
-takes tens of microseconds: a poll of its CUDA event every millisecond would add most of a millisecond to each).
+takes tens of microseconds: a poll of its CUDA event every millisecond would add most of a millisecond to each);
+where either descriptor is 1024 or above, which `select` refuses, with `poll` (millisecond timeouts).
 
 `DeviceWork` is where the reactor queues its own device work: on a GPU one CUDA stream per agent, current on the
 reactor thread for everything it queues (slot lookups' uploads, gathers, scatters), so they run in the order they
@@ -45,6 +46,8 @@ log = logging.getLogger(__name__)
 
 #: Items one turn takes from the mailbox at most (the rest wait for the next turn, after the socket and timers).
 TURN_ITEMS = 1024
+#: `select` takes descriptors below this only (FD_SETSIZE); the wait falls back to `poll` past it.
+SELECT_FD_LIMIT = 1024
 
 
 class Mailbox:
@@ -113,13 +116,27 @@ def wait_for_work(mailbox: Mailbox, channel: Readable, timeout: float) -> bool:
     if timeout > 0:
         mailbox.asleep = True
         try:
-            if not mailbox and not channel.readable():
-                ready, _, _ = select.select([mailbox.fileno(), channel.fileno()], [], [], timeout)
-                if mailbox.fileno() in ready:
-                    mailbox.clear()
+            if (
+                not mailbox
+                and not channel.readable()
+                and mailbox.fileno() in _readable((mailbox.fileno(), channel.fileno()), timeout)
+            ):
+                mailbox.clear()
         finally:
             mailbox.asleep = False
     return channel.readable()
+
+
+def _readable(fds: tuple[int, ...], timeout: float) -> list[int]:
+    """Which of `fds` became readable within `timeout` seconds: `select` (microsecond timeouts) while every
+    descriptor is below its limit (FD_SETSIZE, 1024), else `poll`, whose timeout is whole milliseconds (rounded
+    up): a process holding many descriptors (an engine's) may give the agent's eventfd or socket a number past it."""
+    if max(fds) < SELECT_FD_LIMIT:
+        return select.select(fds, [], [], timeout)[0]
+    poller = select.poll()
+    for fd in fds:
+        poller.register(fd, select.POLLIN)
+    return [fd for fd, _ in poller.poll(timeout * 1000)]
 
 
 @dataclass(frozen=True, slots=True)

@@ -271,15 +271,15 @@ def pid_alive(pid: int) -> bool:
 
 class ProcessWatch:
     """Whether the owners of imported regions still run, asked before every write: through each pid's pidfd, which
-    becomes readable once the process has ended (zombies included), so an ask is one `select` where `pid_alive`
-    reads /proc (tens of microseconds a write, on the reactor). `pid_alive` serves a pid whose pidfd cannot be
-    opened (no pidfd support, no permission). A transport `watch`es the owner of each region it imports and
-    `release`s it when it forgets the region; a pid's descriptor is closed with its last region (or at `close`)."""
-
-    _DEAD, _UNWATCHED = -1, -2
+    becomes readable once the process has ended (zombies included), so an ask is one `poll` where `pid_alive`
+    reads /proc (tens of microseconds a write, on the reactor). `poll`, not `select`: a busy engine process may hold
+    descriptors past `select`'s 1024. `pid_alive` serves a pid whose pidfd cannot be opened (no pidfd support, no
+    permission). A transport `watch`es the owner of each region it imports and `release`s it when it forgets the
+    region; a pid's descriptor is closed with its last region (or at `close`)."""
 
     def __init__(self) -> None:
-        self._fds: dict[int, int] = {}
+        self._watched: dict[int, tuple[int, select.poll] | bool] = {}  # pid -> (pidfd, its poller), or True (ask
+        # /proc) or False (gone when first asked)
         self._regions: Counter[int] = Counter()
 
     def watch(self, pid: int) -> None:
@@ -292,34 +292,34 @@ class ProcessWatch:
             self._close(pid)
 
     def alive(self, pid: int) -> bool:
-        fd = self._fds.get(pid)
-        if fd is None:
-            fd = self._fds[pid] = self._open(pid)
-        if fd == self._UNWATCHED:
-            return pid_alive(pid)
-        if fd == self._DEAD:
-            return False
-        ended, _, _ = select.select([fd], [], [], 0)
-        return not ended
+        watched = self._watched.get(pid)
+        if watched is None:
+            watched = self._watched[pid] = self._open(pid)
+        if isinstance(watched, bool):
+            return watched and pid_alive(pid)
+        return not watched[1].poll(0)
 
     def close(self) -> None:
-        for pid in list(self._fds):
+        for pid in list(self._watched):
             self._close(pid)
         self._regions.clear()
 
     def _close(self, pid: int) -> None:
-        fd = self._fds.pop(pid, self._DEAD)
-        if fd >= 0:
-            os.close(fd)
+        watched = self._watched.pop(pid, False)
+        if not isinstance(watched, bool):
+            os.close(watched[0])
 
-    def _open(self, pid: int) -> int:
+    def _open(self, pid: int) -> tuple[int, select.poll] | bool:
         try:
-            return os.pidfd_open(pid)
+            fd = os.pidfd_open(pid)
         except ProcessLookupError:
-            return self._DEAD
+            return False
         except OSError as err:  # no pidfd here (ENOSYS), or not ours to watch (EPERM): /proc it is
             log.debug("no pidfd for process %d (%s); asking /proc instead", pid, err)
-            return self._UNWATCHED
+            return True
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        return fd, poller
 
 
 def _reserve(fd: int, nbytes: int, directory: Path) -> None:
