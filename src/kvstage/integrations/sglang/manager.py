@@ -36,7 +36,6 @@ from typing import Any, Literal
 from kvstage.integrations.sglang.bootstrap import MailboxClient, Request
 from kvstage.integrations.sglang.kvargs import AuxRows, RankKV, rank_kv
 from kvstage.integrations.sglang.settings import BackendSettings
-from kvstage.protocol import Limits
 from kvstage.protocol.messages import MAX_ID
 from kvstage.runtime import AgentConfig, DecodeAgent, PrefillAgent, RoomOutcome, peer_id
 from kvstage.transport.data.base import TransportConfig
@@ -89,7 +88,8 @@ class RankBackend:
         self.place, self.settings = place, settings
         self.rank_kv: RankKV = rank_kv(kv_args, is_mla, place.device)
         self.is_mla = is_mla
-        self.aux = AuxRows.of(kv_args, Limits().max_aux_bytes)  # the agent's limits are the protocol's defaults
+        config = self._agent_config()
+        self.aux = AuxRows.of(kv_args, config.limits.max_aux_bytes)  # refused before any agent starts
         self.page_size = self.rank_kv.layout.page_size
         self.refused: Counter[str] = Counter()
         self.prefill_info_table: dict[str, PrefillInfo] = {}
@@ -98,21 +98,24 @@ class RankBackend:
         self._infos: dict[str, PrefillInfo | None] = {}  # address -> its info once answered (None: asked)
         self._lock = threading.Lock()
         self._jobs: queue.Queue[Callable[[], None] | None] = queue.Queue()
-        self.agent = self._start_agent()
+        self.agent = self._start_agent(config)
         self._worker = threading.Thread(target=self._work, name=f"kvstage-sglang-{place.role}", daemon=True)
         self._worker.start()
         if place.role == "prefill" and place.rank == 0:
             self._jobs.put(self._post_info)
 
-    def _start_agent(self) -> PrefillAgent | DecodeAgent:
+    def _agent_config(self) -> AgentConfig:
         s, p, kv = self.settings, self.place, self.rank_kv
-        config = AgentConfig(
+        return AgentConfig(
             instance=p.instance, rank=p.rank, tp_size=p.tp_size, layout=kv.layout, bootstrap=s.bootstrap,
             attention="mla" if self.is_mla else "gqa",
             transport=TransportConfig(backend=s.backend, host=s.host), control_bind=f"tcp://{s.host}:*",
             chunk_tokens=s.grid(kv.layout.page_size), ring_bytes=s.ring_mib << 20, staging_bytes=s.staging_mib << 20,
         )  # fmt: skip
-        agent = PrefillAgent(config, kv.kv) if p.role == "prefill" else DecodeAgent(config, kv.kv)
+
+    def _start_agent(self, config: AgentConfig) -> PrefillAgent | DecodeAgent:
+        kv = self.rank_kv.kv
+        agent = PrefillAgent(config, kv) if self.place.role == "prefill" else DecodeAgent(config, kv)
         agent.start()
         return agent
 

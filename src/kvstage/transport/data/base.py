@@ -315,8 +315,9 @@ class DataTransport(ABC):
     #: connection that failed while the peer lives (a write `peer_gone` to a peer that still answers) is made again
     #: only by forgetting every region of that peer and importing them anew (nixl: a failed UCX endpoint).
     reconnects_on_import: ClassVar[bool] = False
-    #: Whether `_import` may block for long (NIXL connects to the peer inside it: seen taking 11 s) and so runs outside
-    #: the transport's lock, the backend guarding its own tables: writes, polls and forgets go on meanwhile.
+    #: Whether `_import` may block for long (NIXL connects to the peer inside it: seen taking 11 s) and therefore
+    #: runs outside the transport's lock, the backend guarding its own tables: writes, polls and forgets go on
+    #: meanwhile on other threads.
     imports_unlocked: ClassVar[bool] = False
 
     def __init__(self, config: TransportConfig) -> None:

@@ -17,7 +17,7 @@ after `RETRY_S`; with no mapping that young it raises `TransportError`, failing 
 The kernel is compiled per element width and per 16-byte alignment of the skipped count (no specialisation on the
 copy's alignment or length), when the clock is made, so no write compiles it.
 Called by transport/data/cuda_ipc.py: a clock per GPU a transport writes from, made when a GPU region is allocated
-or registered there, read (and recalibrated) on its launcher thread.
+or registered there, read (and recalibrated) on the thread that queues the writes (the agent's reactor).
 """
 
 from __future__ import annotations
