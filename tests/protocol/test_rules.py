@@ -60,6 +60,7 @@ from kvstage.protocol.messages import (
     MetadataAck,
     StagingRequest,
 )
+from kvstage.ring import Watermark
 
 CHUNK_BYTES = 4096  # H=8, 2 layers, head_dim 8, bf16, 8 tokens, all heads on d0
 
@@ -356,6 +357,26 @@ def test_new_session_gets_the_current_watermark_at_once() -> None:
     hello = [a for a in actions if isinstance(a, Send) and a.peer == "p7"]
     assert hello and hello[0].envelope.watermark is not None
     assert (hello[0].envelope.watermark.round, hello[0].envelope.watermark.tail) == (watermark.round, watermark.tail)
+
+
+def test_a_moved_watermark_costs_no_frame_while_every_granted_region_is_writable() -> None:
+    pump = make_pump()  # a ring of 1 MiB: every region is writable when granted
+    full_room(pump, 1, 40)
+    assert pump.outcome("d0", 1) == "ok" and decode(pump).ring.watermark != Watermark(0, 0)
+    hellos = sends_from(pump, "d0", Heartbeat)
+    assert len(hellos) == 2, "one heartbeat per new writer session (R4), none per freed region"
+
+
+def test_a_writer_with_a_parked_chunk_hears_the_moved_watermark_at_once() -> None:
+    pump = make_pump(ring_bytes=CHUNK_BYTES + CHUNK_BYTES // 2)
+    pump.hold = lambda src, a: isinstance(a, Scatter) and a.room == 1
+    full_room(pump, 1, 8)
+    full_room(pump, 2, 8)  # wraps into round 1 over room 1's live region: parked on both writers
+    assert prefill(pump).parked_count() == 1
+    pump.release_held()
+    pump.run()  # no clock advance: no periodic heartbeat, no retry
+    assert pump.outcome("d0", 2) == "ok"
+    assert all_quiescent(pump)
 
 
 def test_lost_watermark_broadcast_is_recovered_by_the_periodic_heartbeat() -> None:

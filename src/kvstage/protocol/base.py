@@ -80,6 +80,7 @@ class Peer:
     sent_metadata: bool = False  # prefill side: it sent Metadata this rank accepted, so it is a decode rank
     stamp_seen: float | None = None  # highest stamp heard from its current incarnation: the echo we send it
     echo: float | None = None  # latest of our own stamps that its current incarnation echoed: our lease base
+    told: WireWatermark | None = None  # decode side: the watermark on the last envelope sent to it
 
     def raise_watermark(self, watermark: WireWatermark | None) -> bool:
         """Prefill side: take `watermark` if it is higher than the highest seen; whether it was."""
@@ -259,13 +260,16 @@ class EndpointCore(ABC):
     def _send(self, peer_id: str, body: Body) -> None:
         self._seq += 1
         peer = self._peers.get(peer_id)
+        watermark = self._watermark()
+        if peer is not None:
+            peer.told = watermark
         envelope = Envelope(
             version=PROTOCOL_VERSION,
             sender=self.peer_id,
             session=self.session,
             epoch=self._epochs.get(peer_id, 0),
             seq=self._seq,
-            watermark=self._watermark(),
+            watermark=watermark,
             body=body,
             stamp=self._now,
             echo=None if peer is None else peer.stamp_seen,
@@ -321,7 +325,7 @@ class EndpointCore(ABC):
                 self.stats.peers_restarted += 1
                 self._fence(peer, reasons.PEER_RESTARTED)
             peer.incarnation = incarnation
-            peer.watermark = None
+            peer.watermark = peer.told = None
             peer.stamp_seen = peer.echo = None
         elif peer.incarnation is not None and incarnation < peer.incarnation:
             self.stats.stale_dropped += 1

@@ -55,9 +55,10 @@ from kvstage.protocol.messages import (
 )
 from kvstage.protocol.plans import choose_path, idle_writers, staging_plan
 from kvstage.protocol.states import DECODE_ROOM, DecodeRoomState, DecodeTrigger
-from kvstage.ring import Allocation, StagingRing
+from kvstage.ring import Allocation, StagingRing, Watermark, region_ready
 
 _T = DecodeTrigger
+_ZERO = Watermark(0, 0)  # what a peer knows of the watermark before any frame reached it
 
 
 @dataclass(slots=True, eq=False)
@@ -512,15 +513,24 @@ class DecodeEndpoint(EndpointCore):
         self._send(peer.peer_id, Heartbeat())  # R4: a new or restarted session gets the watermark at once
 
     def _after_event(self) -> None:
-        """R4/R9: whenever the watermark moved, tell every peer that has rooms here."""
+        """R4/R9: whenever the watermark moved, tell every peer that may have a chunk parked for want of it."""
         watermark = self._ring.watermark
-        if watermark == self._wm_sent:
-            return
-        self._wm_sent = watermark
-        self._wm_wire = WireWatermark(watermark.round, watermark.tail)
-        for peer in self._peers.values():
-            if peer.rooms:
-                self._send(peer.peer_id, Heartbeat())
+        if watermark != self._wm_sent:
+            self._wm_sent, self._wm_wire = watermark, WireWatermark(watermark.round, watermark.tail)
+            for peer in self._peers.values():
+                if peer.rooms and self._may_park(peer):
+                    self._send(peer.peer_id, Heartbeat())
+
+    def _may_park(self, peer: Peer) -> bool:
+        """R9: whether `peer` may hold a parked chunk: a region granted to it, not yet written by it, and not ready
+        under the watermark on the last frame sent to it. Any other peer learns the watermark from its next frame."""
+        known = _ZERO if peer.told is None else Watermark(peer.told.round, peer.told.tail)
+        for r in filter(None, map(self._rooms.get, peer.rooms)):
+            slot = r.writers.get(peer.peer_id, -1)
+            unwritten = (c.region for c in r.chunks.values() if slot >= 0 and not c.arrived >> slot & 1)
+            if any(region is not None and not region_ready(region, known) for region in unwritten):
+                return True
+        return False
 
     # ---- release (R1, R6) -------------------------------------------------------------------------------------
     def _fail(self, r: _Room, reason: str) -> None:
