@@ -18,7 +18,7 @@ from kvstage.protocol import DecodeEndpoint, PrefillEndpoint, Timing, WriteDirec
 from kvstage.protocol.actions import Action
 from kvstage.protocol.base import Peer
 from kvstage.protocol.config import quarantine
-from kvstage.protocol.decode import _Room
+from kvstage.protocol.decode_rooms import ReaderRoom
 from kvstage.protocol.events import Event, ExpectRoom
 from kvstage.protocol.messages import DIRECT, Abort, AbortAck, ChunkReady, RoomBody, WireWatermark
 from kvstage.sim import SimConfig, Violation, World
@@ -64,7 +64,7 @@ class NeverArmsTheRoomDeadline(DecodeEndpoint):
 class NeverFreesFailedRegions(DecodeEndpoint):
     """A failed room's ring regions are never freed (the ring leaks)."""
 
-    def _settle(self, r: _Room) -> None:
+    def _settle(self, r: ReaderRoom) -> None:
         r.regions_freed = True
         super()._settle(r)
 
@@ -72,7 +72,7 @@ class NeverFreesFailedRegions(DecodeEndpoint):
 class AnnouncesBeforeRegistering(DecodeEndpoint):
     """Sends a room's Metadata before the room is registered (it registers at the next event) (R2)."""
 
-    _unregistered: dict[int, _Room] | None = None
+    _unregistered: dict[int, ReaderRoom] | None = None
 
     def handle(self, event: Event, now: float) -> list[Action]:
         if self._unregistered:
@@ -97,7 +97,7 @@ class WatermarkOneRoundAhead(DecodeEndpoint):
 class NoScatterFenceOnFailure(DecodeEndpoint):
     """Fails a room without fencing its scatters in flight, so pages go back while a scatter writes them."""
 
-    def _fail(self, r: _Room, reason: str) -> None:
+    def _fail(self, r: ReaderRoom, reason: str) -> None:
         r.scatters_in_flight = 0
         super()._fail(r, reason)
 
@@ -105,7 +105,7 @@ class NoScatterFenceOnFailure(DecodeEndpoint):
 class ConfirmsARestartedWriterAtOnce(DecodeEndpoint):
     """Takes a writer's restart as proof that its old process's writes can no longer land (no quarantine timer)."""
 
-    def _safe_later(self, r: _Room, writer: str, at: float) -> None:
+    def _safe_later(self, r: ReaderRoom, writer: str, at: float) -> None:
         super()._safe_later(r, writer, self._now)
 
 

@@ -19,22 +19,22 @@ Invariants kept: a chunk's ring region is freed exactly once, after its scatter 
 was fenced and no write of a granted writer can land any more (R6, R13: that writer's own Abort or AbortAck
 from the incarnation that served the room; declared dead; or restarted, and `Timing.quarantine_s` has passed
 since its old incarnation was last heard); KV pages are returned exactly once, on failure only, after the
-scatter fence (staged) or once the writers are safe (direct); the watermark rides on every envelope and is
-broadcast to peers with open rooms whenever it moves. Called by runtime/ and sim/.
+scatter fence (staged) or once the writers are safe (direct); the watermark rides on every envelope, and a moved
+one is sent at once to every writer that may hold a chunk parked for want of it (R9, decode_rooms.LiveGrants).
+Room records live in decode_rooms.py. Called by runtime/ and sim/.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 from kvstage.errors import ConfigError, InvalidRequest, StagingOversized
-from kvstage.layout import ChunkGrid, StagingPlan, pages_for, replica_turn
+from kvstage.layout import ChunkGrid, pages_for, replica_turn
 from kvstage.protocol import reasons
 from kvstage.protocol.actions import FenceScatter, FreePages, RoomFailed, RoomSucceeded, Scatter
 from kvstage.protocol.aux import chunk_ready_aux_problem
 from kvstage.protocol.base import EndpointCore, Peer
 from kvstage.protocol.codec import Codec
 from kvstage.protocol.config import DecodeConfig
+from kvstage.protocol.decode_rooms import LiveGrants, ReaderChunk, ReaderRoom
 from kvstage.protocol.events import AbortRoom, ExpectRoom
 from kvstage.protocol.messages import (
     DIRECT,
@@ -49,73 +49,15 @@ from kvstage.protocol.messages import (
     Heartbeat,
     Metadata,
     MetadataAck,
-    Path,
     StagingRequest,
     WireWatermark,
 )
 from kvstage.protocol.plans import choose_path, idle_writers, staging_plan
 from kvstage.protocol.states import DECODE_ROOM, DecodeRoomState, DecodeTrigger
-from kvstage.ring import Allocation, StagingRing, Watermark, region_ready
+from kvstage.ring import Allocation, StagingRing, Watermark
 
 _T = DecodeTrigger
 _ZERO = Watermark(0, 0)  # what a peer knows of the watermark before any frame reached it
-
-
-@dataclass(slots=True, eq=False)
-class _Chunk:
-    region: Allocation | None = None  # staged: the chunk's ring region until freed
-    arrived: int = 0  # bitmask over the room's writer slots
-    done: bool = False
-
-
-@dataclass(slots=True, eq=False)
-class _Room:
-    room: int
-    path: Path
-    prefill_tp: int
-    writers: dict[str, int]  # writer peer id -> slot (bit index)
-    num_tokens: int
-    prefix_tokens: int
-    num_chunks: int
-    pages: tuple[int, ...]
-    deadline: float
-    epoch: int  # direct path: the epoch every grant and ChunkReady of this room carries
-    plan_full: StagingPlan
-    plan_last: StagingPlan
-    state: DecodeRoomState = DecodeRoomState.NONE
-    reason: str | None = None  # why it failed
-    chunks: dict[int, _Chunk] = field(default_factory=dict)
-    done_chunks: int = 0
-    scatters_in_flight: int = 0
-    granted: dict[str, None] = field(default_factory=dict)  # writers ever sent a grant (they may write)
-    acked: dict[str, None] = field(default_factory=dict)  # writers that know the room ended (or are gone)
-    safe: dict[str, None] = field(default_factory=dict)  # writers none of whose writes can still land
-    safe_at: dict[str, float] = field(default_factory=dict)  # restarted writers: safe from then on (R13)
-    bound: dict[str, tuple[int, int]] = field(default_factory=dict)  # writer -> incarnation that served the room
-    bystanders: dict[str, None] = field(default_factory=dict)  # rank 0: prefill ranks that write to no decode rank
-    pages_returned: bool = False
-    regions_freed: bool = False
-    prompt: bytes = b""  # digest of the prompt's tokens, sent in Metadata (empty: unchecked)
-    aux: bytes = b""  # the aux row the last chunk's writers sent (aux.py), reported with the room's success
-
-    @property
-    def all_writers(self) -> int:
-        return (1 << len(self.writers)) - 1
-
-    def plan(self, chunk: int) -> StagingPlan:
-        return self.plan_last if chunk == self.num_chunks - 1 else self.plan_full
-
-    def unacked(self) -> list[str]:
-        return [w for w in self.writers if w not in self.acked]
-
-    def unsafe(self) -> bool:
-        """True while a write of a granted writer may still land (R6, R13)."""
-        return any(w not in self.safe for w in self.granted)
-
-    def vouches(self, peer: Peer) -> bool:
-        """Whether `peer`'s word covers the room's writes: only the incarnation that served the room can say
-        that none of them can land any more (a restarted writer's new process knows nothing of the old one's)."""
-        return self.bound.get(peer.peer_id, peer.incarnation) == peer.incarnation
 
 
 class DecodeEndpoint(EndpointCore):
@@ -130,7 +72,8 @@ class DecodeEndpoint(EndpointCore):
         self.config = config
         self._ring = ring if ring is not None else StagingRing(config.ring_bytes, config.ring_alignment)
         self._grid = ChunkGrid(config.chunk_tokens, config.layout.page_size)
-        self._rooms: dict[int, _Room] = {}
+        self._rooms: dict[int, ReaderRoom] = {}
+        self._grants = LiveGrants()  # ring regions granted and not yet freed (R9)
         self._tokens: dict[int, tuple[int, int]] = {}  # token -> (room, chunk); chunk -1 is the room's fence
         self._room_epoch = 0
         self._wm_sent = self._ring.watermark
@@ -183,7 +126,7 @@ class DecodeEndpoint(EndpointCore):
                 r.bystanders[event.prefill_peers[rank]] = None
                 self._request("meta", event.prefill_peers[rank], self._metadata(r, bystander=True))
 
-    def _metadata(self, r: _Room, bystander: bool = False) -> Metadata:
+    def _metadata(self, r: ReaderRoom, bystander: bool = False) -> Metadata:
         return Metadata(
             room=r.room,
             decode_rank=self.config.rank,
@@ -202,7 +145,7 @@ class DecodeEndpoint(EndpointCore):
             bystander=bystander,
         )
 
-    def _register(self, event: ExpectRoom) -> _Room:
+    def _register(self, event: ExpectRoom) -> ReaderRoom:
         cfg = self.config
         page_size = cfg.layout.page_size
         if event.room in self._rooms or event.room in self._closed:
@@ -234,7 +177,7 @@ class DecodeEndpoint(EndpointCore):
         except ConfigError as exc:
             raise InvalidRequest(f"room {event.room}: prefill TP {prefill_tp} cannot feed this rank: {exc}") from exc
         self._room_epoch += 1
-        r = _Room(
+        r = ReaderRoom(
             room=event.room,
             path=choose_path(cfg.attention, prefill_tp, cfg.tp_size, cfg.staged_only or not event.direct),
             prefill_tp=prefill_tp,
@@ -262,7 +205,7 @@ class DecodeEndpoint(EndpointCore):
         self._fail(r, reasons.ABORTED_BY_DECODE)
 
     # ---- inbound messages -------------------------------------------------------------------------------------
-    def _writer_room(self, peer: Peer, room: int, what: str) -> _Room | None:
+    def _writer_room(self, peer: Peer, room: int, what: str) -> ReaderRoom | None:
         """The room if `peer` is one of its writers (binding the room to the peer's incarnation); otherwise None
         (rejected and counted)."""
         r = self._rooms.get(room)
@@ -275,7 +218,7 @@ class DecodeEndpoint(EndpointCore):
         return r
 
     @staticmethod
-    def _bind(r: _Room, peer: Peer) -> None:
+    def _bind(r: ReaderRoom, peer: Peer) -> None:
         """The first incarnation of a writer that speaks about a room serves it; a restart fails only bound rooms."""
         if peer.peer_id not in r.bound and peer.incarnation is not None:
             r.bound[peer.peer_id] = peer.incarnation
@@ -311,7 +254,7 @@ class DecodeEndpoint(EndpointCore):
         self._answered("meta", peer.peer_id, r.room, slot)  # a request proves the metadata arrived
         chunk = r.chunks.get(body.chunk)
         if chunk is None:
-            chunk = r.chunks[body.chunk] = _Chunk()
+            chunk = r.chunks[body.chunk] = ReaderChunk()
         if chunk.done:
             self.stats.duplicates += 1  # its writers all wrote and were acked; nothing is owed
             return
@@ -322,6 +265,7 @@ class DecodeEndpoint(EndpointCore):
                 chunk.region = self._allocate(r, body.chunk)
                 if chunk.region is None:
                     return
+                self._grants.add(r, chunk)
             region = chunk.region
             grant = Grant(
                 room=r.room,
@@ -334,7 +278,7 @@ class DecodeEndpoint(EndpointCore):
         r.granted[peer.peer_id] = None
         self._send(peer.peer_id, grant)
 
-    def _allocate(self, r: _Room, chunk: int) -> Allocation | None:
+    def _allocate(self, r: ReaderRoom, chunk: int) -> Allocation | None:
         try:
             return self._ring.allocate(r.plan(chunk).total_bytes)
         except StagingOversized:
@@ -377,7 +321,7 @@ class DecodeEndpoint(EndpointCore):
         if chunk.arrived == r.all_writers:
             self._chunk_complete(r, body.chunk, chunk)
 
-    def _chunk_complete(self, r: _Room, index: int, chunk: _Chunk) -> None:
+    def _chunk_complete(self, r: ReaderRoom, index: int, chunk: ReaderChunk) -> None:
         """Every writer of `chunk` has landed: scatter it (staged) or count it done (direct)."""
         if r.path == DIRECT:
             self._chunk_done(r, chunk)
@@ -389,7 +333,7 @@ class DecodeEndpoint(EndpointCore):
         span = self._grid.at(index, r.num_tokens, r.prefix_tokens)
         self._out.append(Scatter(token, r.room, index, chunk.region, r.plan(index), span.start, span.num_tokens))
 
-    def _chunk_done(self, r: _Room, chunk: _Chunk) -> None:
+    def _chunk_done(self, r: ReaderRoom, chunk: ReaderChunk) -> None:
         chunk.done = True
         r.done_chunks += 1
         if r.done_chunks == r.num_chunks:
@@ -449,9 +393,7 @@ class DecodeEndpoint(EndpointCore):
         if not ok:
             self._fail(r, reasons.SCATTER_FAILED)
             return
-        assert chunk.region is not None
-        self._ring.free(chunk.region)
-        chunk.region = None
+        self._free_region(chunk)
         self._chunk_done(r, chunk)
 
     def _room_deadline(self, room: int) -> float:
@@ -496,7 +438,7 @@ class DecodeEndpoint(EndpointCore):
         self._fail(r, reason)
         self._settle(r)
 
-    def _safe_later(self, r: _Room, writer: str, at: float) -> None:
+    def _safe_later(self, r: ReaderRoom, writer: str, at: float) -> None:
         if writer in r.safe or writer not in r.granted:
             return
         if at <= self._now:
@@ -522,18 +464,19 @@ class DecodeEndpoint(EndpointCore):
                     self._send(peer.peer_id, Heartbeat())
 
     def _may_park(self, peer: Peer) -> bool:
-        """R9: whether `peer` may hold a parked chunk: a region granted to it, not yet written by it, and not ready
-        under the watermark on the last frame sent to it. Any other peer learns the watermark from its next frame."""
+        """R9: whether `peer` may hold a parked chunk (a region granted to it, not yet written by it, and not ready
+        under the watermark on the last frame sent to it). Any other peer learns the watermark from its next frame."""
         known = _ZERO if peer.told is None else Watermark(peer.told.round, peer.told.tail)
-        for r in filter(None, map(self._rooms.get, peer.rooms)):
-            slot = r.writers.get(peer.peer_id, -1)
-            unwritten = (c.region for c in r.chunks.values() if slot >= 0 and not c.arrived >> slot & 1)
-            if any(region is not None and not region_ready(region, known) for region in unwritten):
-                return True
-        return False
+        return self._grants.awaited_by(peer.peer_id, known)
+
+    def _free_region(self, chunk: ReaderChunk) -> None:
+        assert chunk.region is not None
+        self._grants.drop(chunk.region)
+        self._ring.free(chunk.region)
+        chunk.region = None
 
     # ---- release (R1, R6) -------------------------------------------------------------------------------------
-    def _fail(self, r: _Room, reason: str) -> None:
+    def _fail(self, r: ReaderRoom, reason: str) -> None:
         """Fail an ACTIVE room (idempotent): report, tell the writers, fence scatters, then release."""
         if not DECODE_ROOM.can(r, _T.FAIL):
             return
@@ -553,17 +496,17 @@ class DecodeEndpoint(EndpointCore):
         self._return_pages_after_fence(r)
         self._settle(r)
 
-    def _return_pages_after_fence(self, r: _Room) -> None:
+    def _return_pages_after_fence(self, r: ReaderRoom) -> None:
         """Staged rooms: only scatters write the KV pages, and they are fenced now."""
         if r.path != DIRECT:
             self._free_pages(r)
 
-    def _free_pages(self, r: _Room) -> None:
+    def _free_pages(self, r: ReaderRoom) -> None:
         if not r.pages_returned:
             r.pages_returned = True
             self._out.append(FreePages(r.room, r.pages))
 
-    def _acknowledge(self, r: _Room, peer_id: str, *, safe: bool) -> None:
+    def _acknowledge(self, r: ReaderRoom, peer_id: str, *, safe: bool) -> None:
         """`peer_id` knows the room ended (or is gone); with `safe`, none of its writes can land any more."""
         r.acked[peer_id] = None
         if safe:
@@ -574,7 +517,7 @@ class DecodeEndpoint(EndpointCore):
         if peer is not None:
             peer.rooms.pop(r.room, None)
 
-    def _settle(self, r: _Room) -> None:
+    def _settle(self, r: ReaderRoom) -> None:
         """QUARANTINED: release ring space and pages once no write can land; forget once every writer knows."""
         if not DECODE_ROOM.can(r, _T.RELEASE) or r.unsafe():
             return
@@ -582,14 +525,13 @@ class DecodeEndpoint(EndpointCore):
             r.regions_freed = True
             for chunk in r.chunks.values():
                 if chunk.region is not None:
-                    self._ring.free(chunk.region)
-                    chunk.region = None
+                    self._free_region(chunk)
         self._free_pages(r)
         if not r.unacked():
             DECODE_ROOM.move(r, _T.FORGET, r.room)
             self._forget(r, r.reason)
 
-    def _forget(self, r: _Room, reason: str | None) -> None:
+    def _forget(self, r: ReaderRoom, reason: str | None) -> None:
         """The room just moved to FORGOTTEN: drop it, and remember it as closed."""
         del self._rooms[r.room]
         self._retrier.stop_room(r.room)
