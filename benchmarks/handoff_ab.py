@@ -107,12 +107,13 @@ def git(*args: str) -> str:
 
 
 def commit_of(tree: Path) -> str:
-    """The checked-out commit of `tree` (its git HEAD, or what a `COMMIT` file beside its src says; else "unknown")."""
-    head = subprocess.run(["git", "-C", str(tree), "rev-parse", "HEAD"], capture_output=True, text=True, check=False)
-    if head.returncode == 0:
-        return head.stdout.strip()
+    """The commit of `tree`: what a `COMMIT` file beside its src says (a copied tree, such as `.base/`, may lie
+    inside another checkout, whose HEAD is not its commit), else its git HEAD, else "unknown"."""
     marker = tree / "COMMIT"
-    return marker.read_text().strip() if marker.is_file() else "unknown"
+    if marker.is_file():
+        return marker.read_text().strip()
+    head = subprocess.run(["git", "-C", str(tree), "rev-parse", "HEAD"], capture_output=True, text=True, check=False)
+    return head.stdout.strip() if head.returncode == 0 else "unknown"
 
 
 def copy_baseline(src: Path, where: Path) -> str:
