@@ -65,7 +65,8 @@ def parse_args() -> tuple[argparse.Namespace, dict[str, Any]]:
         "--baseline-src",
         type=Path,
         default=None,
-        help="the baseline's src folder instead of a git ref (a checkout without git history)",
+        help="the baseline's src folder instead of a git ref (a checkout without git history); named by the COMMIT "
+        "file beside it",
     )
     parser.add_argument("--runs", type=int, default=5, help="invocations of each side, alternating")
     parser.add_argument("--timeout-s", type=float, default=900.0, help="deadline of one invocation")
@@ -202,6 +203,8 @@ def main() -> None:
             baseline_commit = add_baseline(args.baseline, worktree)
         else:
             baseline_commit = copy_baseline(args.baseline_src.resolve(), worktree)
+        if args.baseline_src is not None:  # named by its COMMIT file, not by --baseline's default
+            args.baseline = baseline_commit[:7]
         sides = {"baseline": worktree / "src", "current": ROOT / "src"}
         for i in range(args.runs):
             for side, src in sides.items():
