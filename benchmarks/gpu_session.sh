@@ -17,7 +17,7 @@
 # handoff_p4d2_mps, the same with every rank process a client of one MPS server started for the step and stopped
 # after it (the processes then share the GPU without time-slicing between their contexts, closer to a GPU per rank);
 # profile_p2d1, one P2->D1 handoff invocation under py-spy (its wheel in .whl/), samples in $OUT/reactor_samples.txt,
-# summarized by benchmarks/reactor_profile.py.
+# summarized by benchmarks/reactor_profile.py; profile_p2d1_mps, the same under an MPS server of its own.
 set -u -o pipefail
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -52,6 +52,9 @@ GPU_TESTS="tests/transport/test_cuda_ipc.py tests/transport/test_cuda_ipc_late_c
     tests/dataplane/test_dataplane_roundtrip.py tests/runtime/test_agents.py"
 HANDOFF="python3 benchmarks/handoff_ab.py --baseline-src .base/src --runs ${HANDOFF_RUNS:-5}"
 HANDOFF_ARGS="--backend cuda_ipc --device cuda --model llama3-8b --tokens 4096 --page-size 16"
+PROFILE="/tmp/site/bin/py-spy record --subprocesses --nonblocking -r 2000 -f raw -o $OUT/reactor_samples.txt -- \
+    python3 -m kvstage bench --handoff $HANDOFF_ARGS --prefill-tp 2 --decode-tp 1 --json &&
+    python3 benchmarks/reactor_profile.py $OUT/reactor_samples.txt"
 mps() {  # mps STEP-NAME SECONDS COMMAND...: run one step under an MPS server of its own
     export CUDA_MPS_PIPE_DIRECTORY=/tmp/kvstage-mps/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/kvstage-mps/log
     mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
@@ -74,9 +77,8 @@ for STEP in "${STEPS[@]}"; do
     handoff_p2d1) step handoff_p2d1 540 $HANDOFF -- $HANDOFF_ARGS --prefill-tp 2 --decode-tp 1 ;;
     handoff_p2d1_mps) mps handoff_p2d1_mps 540 $HANDOFF -- $HANDOFF_ARGS --prefill-tp 2 --decode-tp 1 ;;
     handoff_p4d2_mps) mps handoff_p4d2_mps 540 $HANDOFF -- $HANDOFF_ARGS --prefill-tp 4 --decode-tp 2 ;;
-    profile_p2d1) step profile_p2d1 150 bash -c "/tmp/site/bin/py-spy record --subprocesses --nonblocking -r 2000 -f raw \
-        -o $OUT/reactor_samples.txt -- python3 -m kvstage bench --handoff $HANDOFF_ARGS --prefill-tp 2 --decode-tp 1 \
-        --json && python3 benchmarks/reactor_profile.py $OUT/reactor_samples.txt" ;;
+    profile_p2d1) step profile_p2d1 150 bash -c "$PROFILE" ;;
+    profile_p2d1_mps) mps profile_p2d1_mps 150 bash -c "$PROFILE" ;;
     handoff_p4d2) step handoff_p4d2 540 $HANDOFF -- $HANDOFF_ARGS --prefill-tp 4 --decode-tp 2 ;;
     handoff_p4d2_c2048) step handoff_p4d2_c2048 540 $HANDOFF -- $HANDOFF_ARGS --prefill-tp 4 --decode-tp 2 \
         --chunk-tokens 2048 ;;
