@@ -250,7 +250,7 @@ class EndpointCore(ABC):
         """subclass (prefill): an admitted envelope may carry a higher watermark or renew the lease."""
 
     def _after_event(self) -> None:
-        """subclass: runs after every event (decode: broadcast a moved watermark)."""
+        """subclass: runs after every event (decode: send a moved watermark to writers that may wait for it)."""
 
     def _dead_after_s(self) -> float:
         """subclass (prefill): how long a peer may be silent before it is declared dead (R8)."""
