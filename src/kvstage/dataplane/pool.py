@@ -367,7 +367,7 @@ class RequestSlots:
     end: int
     pages: torch.Tensor  # CPU int64: the pages holding tokens [start, end), in token order
     slots: torch.Tensor  # int64 on the pool's device, one per token of [start, end)
-    frees: int = 0  # the allocator's `frees` when the lookup found every page held
+    frees: int  # the allocator's `frees` when the lookup found every page held (-1 without an allocator)
 
     def range(self, token_start: int, token_end: int) -> torch.Tensor:
         """Slots of tokens `[token_start, token_end)`, which must lie inside `[start, end)`."""
