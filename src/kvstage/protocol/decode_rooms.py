@@ -22,6 +22,8 @@ from kvstage.ring import Allocation, Watermark, region_ready
 
 @dataclass(slots=True, eq=False)
 class ReaderChunk:
+    """One chunk of a room on this decode rank: its ring region (staged), which writers' ChunkReady arrived."""
+
     region: Allocation | None = None  # staged: the chunk's ring region until freed
     arrived: int = 0  # bitmask over the room's writer slots
     done: bool = False
@@ -29,6 +31,8 @@ class ReaderChunk:
 
 @dataclass(slots=True, eq=False)
 class ReaderRoom:
+    """One room on this decode rank: what ExpectRoom said, its writers, its chunks, and who may still write."""
+
     room: int
     path: Path
     prefill_tp: int
