@@ -455,19 +455,21 @@ class DecodeEndpoint(EndpointCore):
         self._send(peer.peer_id, Heartbeat())  # R4: a new or restarted session gets the watermark at once
 
     def _after_event(self) -> None:
-        """R4/R9: whenever the watermark moved, tell every peer that may have a chunk parked for want of it."""
+        """R4/R9: whenever the watermark moved, tell every peer that may have a chunk parked for want of it (any
+        other peer learns it from its next frame)."""
         watermark = self._ring.watermark
         if watermark != self._wm_sent:
             self._wm_sent, self._wm_wire = watermark, WireWatermark(watermark.round, watermark.tail)
-            for peer in self._peers.values():
-                if peer.rooms and self._may_park(peer):
+            waiting = self._grants.waiting(self._told)
+            for peer in self._peers.values():  # in the peers' order, not the set's: the core stays deterministic
+                if peer.rooms and peer.peer_id in waiting:
                     self._send(peer.peer_id, Heartbeat())
 
-    def _may_park(self, peer: Peer) -> bool:
-        """R9: whether `peer` may hold a parked chunk (a region granted to it, not yet written by it, and not ready
-        under the watermark on the last frame sent to it). Any other peer learns the watermark from its next frame."""
-        known = _ZERO if peer.told is None else Watermark(peer.told.round, peer.told.tail)
-        return self._grants.awaited_by(peer.peer_id, known)
+    def _told(self, peer_id: str) -> Watermark:
+        """The watermark on the last frame sent to `peer_id` (none yet: the lowest)."""
+        peer = self._peers.get(peer_id)
+        told = None if peer is None else peer.told
+        return _ZERO if told is None else Watermark(told.round, told.tail)
 
     def _free_region(self, chunk: ReaderChunk) -> None:
         assert chunk.region is not None

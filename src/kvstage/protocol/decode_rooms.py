@@ -11,6 +11,7 @@ Pure. Called by decode.py.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvstage.layout import StagingPlan
@@ -94,13 +95,17 @@ class LiveGrants:
     def drop(self, region: Allocation) -> None:
         del self._by_epoch[region.epoch]
 
-    def awaited_by(self, writer: str, known: Watermark) -> bool:
-        """R9: whether `writer` may hold a chunk parked: a region granted to it that it has not written yet and
-        that is not ready under `known`, the watermark on the last frame sent to it."""
+    def waiting(self, known: Callable[[str], Watermark]) -> set[str]:
+        """R9: the writers that may hold a chunk parked: each has a region granted to it that it has not written
+        yet and that is not ready under `known(writer)`, the watermark on the last frame sent to it. One pass over
+        the live regions, however many peers there are."""
+        found: set[str] = set()
         for r, chunk in self._by_epoch.values():
-            slot, region = r.writers.get(writer), chunk.region
-            if slot is None or region is None or writer not in r.granted or chunk.arrived >> slot & 1:
+            region = chunk.region
+            if region is None:
                 continue
-            if not region_ready(region, known):
-                return True
-        return False
+            for writer, slot in r.writers.items():
+                unwritten = writer in r.granted and not chunk.arrived >> slot & 1
+                if unwritten and writer not in found and not region_ready(region, known(writer)):
+                    found.add(writer)
+        return found
